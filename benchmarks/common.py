@@ -1,0 +1,108 @@
+"""Helpers shared by the benchmarks: offline text, fixed-seed workloads, llama-server process, JSON/table output."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload: prompt token ids and the exact number of tokens to generate."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def corpus_text(max_chars: int = 2_000_000) -> str:
+    """Real English prose and code available offline: the Python standard library's own sources (PSF license)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for name in sorted(root.glob("*.py")):
+        text = name.read_text(encoding="utf-8", errors="ignore")
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return "\n".join(parts)
+
+
+def make_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  seed: int) -> list[BenchRequest]:
+    """``n`` requests with prompt and output lengths drawn uniformly from the ranges (tokens), fixed by ``seed``;
+    prompts are windows of :func:`corpus_text`."""
+    rng = random.Random(seed)
+    ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    out = []
+    for _ in range(n):
+        p = rng.randint(*prompt_range)
+        start = rng.randrange(0, len(ids) - p)
+        out.append(BenchRequest(ids[start:start + p], rng.randint(*output_range)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on loopback, as a context manager.
+
+    Args:
+        binary: path of llama-server. model: GGUF path. slots: parallel sequences (-np).
+        ctx_per_slot: context tokens per slot. threads: CPU threads (-t).
+    """
+
+    def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [binary, "-m", model, "-c", str(slots * ctx_per_slot), "-np", str(slots), "-t", str(threads),
+                    "-tb", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "-b", "2048", "-ub", "512",
+                    "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {' '.join(self.cmd)}")
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def find_llama_server(explicit: str | None) -> str | None:
+    """Path of llama-server: ``explicit``, $LLAMA_SERVER, or the folder shared/tools/build-llama-cpp.sh builds."""
+    built = Path.home() / ".cache/leanserve-peers/llama-cpp-0.3.36/src/vendor/llama.cpp/build/bin/llama-server"
+    candidates = [explicit, os.environ.get("LLAMA_SERVER"), str(built)]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def write_json(path: str, payload: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {out}")

@@ -1,0 +1,106 @@
+"""Single-stream decode and prefill speed: leanserve (fp32, bf16) beside transformers' generate (fp32).
+
+Same model file, same prompts, same run; results as ratios. Usage:
+    .venv/bin/python benchmarks/decode.py [--decode-tokens 128] [--prefill-tokens 512] [--repeats 3]
+Writes benchmarks/results/decode.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from leanserve import LLM, SamplingParams
+from leanserve.loader import load_model
+
+TEXT = ("The river wound through the valley, past fields of barley and old stone walls. In the evening the "
+        "fishermen pulled their boats onto the gravel and talked about the weather and the new bridge. ")
+
+
+def leanserve_run(llm: LLM, prompt_ids: list[int], long_ids: list[int], n: int, repeats: int) -> dict:
+    decode, prefill = [], []
+    llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    for _ in range(repeats):
+        out = llm.generate({"prompt_token_ids": prompt_ids},
+                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        decode.append(out.metrics.decode_tokens_per_s)
+        llm.engine.kv.pool.reset_prefix_cache()  # measure a cold prefill
+        out = llm.generate({"prompt_token_ids": long_ids}, SamplingParams(temperature=0, max_tokens=1),
+                           use_tqdm=False)[0]
+        prefill.append(len(long_ids) / out.metrics.prefill_time)
+    return {"decode_tok_s": statistics.median(decode), "prefill_tok_s": statistics.median(prefill)}
+
+
+def transformers_run(prompt_ids: list[int], long_ids: list[int], n: int, repeats: int, model_path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    decode, prefill = [], []
+    with torch.no_grad():
+        x = torch.tensor([prompt_ids])
+        model.generate(x, do_sample=False, max_new_tokens=4, pad_token_id=0)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(x, do_sample=False, max_new_tokens=1, pad_token_id=0)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(x, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            total = time.perf_counter() - t0
+            decode.append((n - 1) / (total - first))
+            y = torch.tensor([long_ids])
+            t0 = time.perf_counter()
+            model.generate(y, do_sample=False, max_new_tokens=1, pad_token_id=0)
+            prefill.append(len(long_ids) / (time.perf_counter() - t0))
+    return {"decode_tok_s": statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
+            "load_s": load_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a story."}]),
+                            add_special_tokens=False)
+    long_ids = tok.encode(TEXT * 40)[: args.prefill_tokens]
+    results: dict[str, dict] = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(loaded=loaded, dtype=dtype, kv_cache_memory=256 << 20)
+        results[f"leanserve {dtype}"] = leanserve_run(llm, prompt_ids, long_ids, args.decode_tokens, args.repeats)
+        results[f"leanserve {dtype}"]["load_s"] = loaded.load_time_s
+        del llm
+    if not args.skip_transformers:
+        results["transformers float32"] = transformers_run(prompt_ids, long_ids, args.decode_tokens, args.repeats,
+                                                           loaded.path)
+    base = results.get("transformers float32")
+    print(f"\nSingle stream, {args.decode_tokens} decode tokens, {len(long_ids)}-token prefill, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{'engine':<24}{'decode tok/s':>14}{'prefill tok/s':>15}{'decode x HF':>13}{'prefill x HF':>14}")
+    for name, r in results.items():
+        rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
+        rp = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
+        print(f"{name:<24}{r['decode_tok_s']:>14.1f}{r['prefill_tok_s']:>15.1f}{rd:>13}{rp:>14}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "results": results},
+                              indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

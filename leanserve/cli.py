@@ -1,0 +1,172 @@
+"""Command line: ``leanserve serve | demo | generate | chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from leanserve.config import EngineConfig
+from leanserve.engine.llm_engine import LLMEngine
+from leanserve.errors import LeanserveError
+from leanserve.sampling_params import SamplingParams
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear emails.",
+    "Explain in two sentences what a KV cache is in a language model.",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model (names follow vLLM's CLI)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="chunk size for long prompts while others run (default: 256 on CPU, 2048 on CUDA; 0 = off)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that carry none")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed)
+
+
+def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
+           on_text: Callable[[str], None]) -> dict[str, float | int | str | None]:
+    """Generate one request, calling ``on_text`` with each text delta; return its timings and finish reason."""
+    rid = f"cli-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt_ids, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            on_text(out.outputs[0].delta_text)
+            final = out
+    m = final.metrics
+    return {"ttft_s": m.ttft, "decode_tok_s": m.decode_tokens_per_s, "tokens": m.num_generation_tokens,
+            "finish_reason": final.outputs[0].finish_reason, "text": final.outputs[0].text}
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config(args))
+    print(f"model: {engine.model_path}\nloaded in {engine.load_time_s:.2f} s, engine ready in "
+          f"{engine.init_time_s:.2f} s\n")
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    tok = engine.tokenizer
+    for prompt in DEMO_PROMPTS:
+        print(f">>> {prompt}")
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
+        r = stream(engine, ids, params, _print)
+        speed = f"{r['decode_tok_s']:.1f} tok/s" if r["decode_tok_s"] else "n/a"
+        print(f"\n[TTFT {r['ttft_s'] * 1000:.0f} ms | decode {speed} | {r['tokens']} tokens | "
+              f"finish_reason {r['finish_reason']}]\n")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config(args))
+    tok = engine.tokenizer
+    if args.raw:
+        ids = tok.encode(args.prompt)
+    else:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]),
+                         add_special_tokens=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            top_p=args.top_p)
+    stream(engine, ids, params, _print)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config(args))
+    tok = engine.tokenizer
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Interactive chat; an empty line or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        _print("assistant> ")
+        r = stream(engine, ids, params, _print)
+        print()
+        messages.append({"role": "assistant", "content": str(r["text"])})
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from leanserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="leanserve", description="A lean LLM inference and serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
+    serve.add_argument("--served-model-name", default=None, help="model name of the API (default: the file name)")
+    serve.add_argument("--max-waiting", type=int, default=1024,
+                       help="most sequences waiting to be scheduled; beyond it requests get 503 + Retry-After")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    demo = sub.add_parser("demo", help="answer three built-in chat prompts, with TTFT and decode speed")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    chat = sub.add_parser("chat", help="interactive chat, printing tokens as they are produced")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7 if p is chat else 0.0)
+        p.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    for p in (serve, demo, gen, chat):
+        add_engine_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    try:
+        return handler(args)
+    except LeanserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""Iteration-level scheduler (continuous batching, Yu et al., "Orca", OSDI 2022) with chunked prefill.
+
+Every step forms one batch under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``): first the running requests (decodes before unfinished prefill chunks), then waiting
+requests, whose prompts may be split into chunks across steps. Each request is scheduled to catch its
+``num_computed_tokens`` up with its ``num_tokens``. When blocks run out, the most recently admitted running
+request is preempted: its blocks are freed and it is recomputed later (its output so far is kept).
+
+Long prompts do not stall the others (Sarathi-Serve, Agrawal et al., OSDI 2024; vLLM's partial-prefill knobs):
+while other requests are running or waiting, a prompt longer than ``long_prefill_token_threshold`` advances at
+most that many tokens per step, and at most ``max_long_partial_prefills`` such prompts are in prefill at once;
+a long prompt that must wait keeps its place but lets shorter requests behind it start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from leanserve.core.kv_cache_manager import KVCacheManager, cdiv
+from leanserve.core.request import Request, RequestStatus
+from leanserve.errors import KVCapacityError
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    block_ids: list[int]  # the request's block table after allocation
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner executes in one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # finished since the last step: drop their state
+    num_preempted: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class StepResult:
+    """A request's progress after a step (consumed by the engine's output processor)."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    Args:
+        kv: the KV cache manager.
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget of one step (None: unlimited).
+        max_model_len: longest sequence, prompt + output, in tokens.
+        policy: "fcfs" (default) or "priority" (lower ``Request.priority`` first, then arrival).
+        long_prefill_token_threshold: prompts longer than this (tokens) are "long" and chunked to it while others
+            are present; None: no limit.
+        max_long_partial_prefills: long prompts allowed in prefill at the same time.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int | None,
+                 max_model_len: int, policy: str = "fcfs", long_prefill_token_threshold: int | None = None,
+                 max_long_partial_prefills: int = 1) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}; use 'fcfs' or 'priority'")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_long_partial_prefills = max_long_partial_prefills
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._admissions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            KVCapacityError: when prompt + max_tokens needs more blocks than the whole pool has.
+        """
+        need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise KVCapacityError(
+                f"request {request.request_id} needs {request.num_prompt_tokens + request.max_tokens} tokens of KV "
+                f"cache ({need} blocks) but the whole pool holds {self.kv.num_tokens_capacity()} tokens "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size}); raise kv_cache_memory or shorten the "
+                "request")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            i = 0
+            while i < len(self.waiting) and (self.waiting[i].priority, self.waiting[i].arrival_time) <= key:
+                i += 1
+            self.waiting.insert(i, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        """Form the next step's batch (may preempt running requests)."""
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else 1 << 62
+        scheduled: set[str] = set()
+        # Running requests: decodes first, then unfinished prefill chunks, each in admission order.
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = max((r for r in self.running if r.request_id not in scheduled),
+                             key=lambda r: r.admitted_seq)
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            scheduled.add(req.request_id)
+            budget -= num_new
+        if out.num_preempted:
+            return out  # no admissions in a step that had to preempt
+        # Waiting requests: a prompt that does not fit now is skipped, so smaller ones behind it still start.
+        skipped: list[Request] = []
+        num_long = sum(1 for r in self.running if self._is_long(r.num_tokens - r.num_computed_tokens))
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_hit_tokens
+            if self._is_long(remaining) and num_long >= self.max_long_partial_prefills:
+                skipped.append(req)  # another long prompt is prefilling: let shorter requests pass
+                continue
+            num_new = self._chunk(remaining, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                skipped.append(req)
+                continue
+            num_long += self._is_long(remaining)
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = num_hit_tokens
+                req.first_scheduled_time = time.monotonic()
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self._admissions += 1
+            req.admitted_seq = self._admissions
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            budget -= num_new
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
+        return out
+
+    def _is_long(self, remaining: int) -> bool:
+        threshold = self.long_prefill_token_threshold
+        return threshold is not None and remaining > threshold
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now for a request with ``remaining`` uncomputed tokens."""
+        n = min(remaining, budget)
+        if self._is_long(n) and len(self.running) + len(self.waiting) > 1:
+            n = self.long_prefill_token_threshold
+        return n
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
+        """Advance the scheduled requests by the step's results.
+
+        Args:
+            out: the step's schedule.
+            sampled: request_id -> sampled token id, for requests whose step reached the end of their tokens.
+
+        Returns:
+            One :class:`StepResult` per request that sampled a token (finished ones included).
+        """
+        now = time.monotonic()
+        results = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            results.append(StepResult(req, [token], req.is_finished))
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if len(req.output_token_ids) < params.min_tokens:
+            return None
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside (abort, or a stop string found by the detokenizer); frees its blocks.
+
+        Returns:
+            The request, or None when it is unknown or already finished.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, status)
+        return req

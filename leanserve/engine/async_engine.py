@@ -1,0 +1,397 @@
+"""Drives an :class:`LLMEngine` from one background thread for asyncio callers (the HTTP server).
+
+Threading model:
+- One engine thread owns the :class:`LLMEngine`: every call into it (``add_request``, ``abort_request``,
+  ``step``, ``get_stats``) happens on that thread. Callers never touch the engine; they append commands (add,
+  abort) to a list guarded by one ``threading.Condition`` and notify it.
+- The thread loops: take the pending commands, apply them, publish a stats snapshot, run one ``step()``
+  while there is work, publish again, hand the outputs to the observers (metrics) and then to the requests'
+  event loops with one ``loop.call_soon_threadsafe`` per loop per step. With no work and no commands it sleeps
+  on the condition (no busy spin).
+- Each request has a :class:`RequestStream`: an ``asyncio.Queue`` of :class:`RequestOutput` on the caller's
+  loop. Cancelling the coroutine that waits on it (client disconnect) or closing it early queues an abort,
+  which the thread applies before its next step: the request stops within one step and its KV blocks are freed.
+
+The waiting queue is bounded: ``max_waiting`` sequences (scheduler waiting + not yet handed to the engine);
+beyond it :meth:`AsyncEngine.add_request` raises :class:`QueueFullError` (HTTP 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from leanserve.core.kv_cache_manager import cdiv
+from leanserve.engine.llm_engine import EngineStats, LLMEngine
+from leanserve.errors import KVCapacityError, LeanserveError
+from leanserve.outputs import RequestOutput
+from leanserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(LeanserveError):
+    """The waiting queue is at its bound (or the server is shutting down); retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(LeanserveError):
+    """The engine thread failed or stopped; no request can be served."""
+
+
+class EngineObserver(Protocol):
+    """Called on the engine thread after every step (and after aborts) with that step's outputs."""
+
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None: ...
+
+
+@dataclass(frozen=True)
+class AsyncEngineStats:
+    """A snapshot published by the engine thread; ``num_waiting`` includes requests not yet handed over."""
+
+    engine: EngineStats
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (ends after the finished output).
+
+    Cancelling a pending ``__anext__`` or calling :meth:`aclose` before the end aborts the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._added: asyncio.Future[None] = loop.create_future()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def accepted(self) -> None:
+        """Wait until the engine thread added the request (at most one step). Cancelling the wait aborts it.
+
+        Raises:
+            InvalidParameterError / ContextLengthExceededError / KVCapacityError: the engine's own checks;
+            QueueFullError: the server began shutting down; EngineDeadError: the engine failed.
+        """
+        try:
+            await self._added
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except BaseException:
+            self.finished = True
+            raise
+
+    def abort(self) -> None:
+        """Stop the request (no-op once finished); its last output, finish_reason "abort", is not awaited."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` on a background thread and streams outputs to asyncio tasks.
+
+    Args:
+        engine: the engine; from now on only this object's thread calls it.
+        max_waiting: most sequences waiting to be scheduled (None: unbounded).
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []  # ("add", ...) / ("abort", request_id), in submission order
+        self._pending_seqs = 0  # sequences submitted but not yet added to the engine
+        self._streams: dict[str, RequestStream] = {}
+        self._observers: list[EngineObserver] = []
+        self._active: set[str] = set()  # engine thread: requests added to the engine and not finished
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats: AsyncEngineStats | None = None  # published by the engine thread before __init__ returns
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="leanserve-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    # ------------------------------------------------------------------------------------------ public API
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Register an observer (e.g. the server's metrics); it runs on the engine thread."""
+        self._observers.append(observer)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread serves requests (not failed, not shut down)."""
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
+    def stats(self) -> AsyncEngineStats:
+        """The latest snapshot (updated after every step and every batch of commands)."""
+        with self._cond:
+            stats = self._stats
+            if stats is None:  # the engine thread failed before its first snapshot
+                zero = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+                return AsyncEngineStats(zero, self._pending_seqs, 0, 0.0)
+            return AsyncEngineStats(stats.engine, stats.num_waiting + self._pending_seqs, stats.num_running,
+                                    stats.kv_cache_usage)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The engine's :meth:`LLMEngine.tokenize_prompt` (tokenizer and vocabulary size only: safe off the engine
+        thread). Raises InvalidParameterError."""
+        return self.engine.tokenize_prompt(prompt)
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Validate a request's length against the context and the KV pool before queueing it.
+
+        Reads only fixed engine settings (max_model_len, pool size), so it is safe off the engine thread.
+
+        Returns:
+            the resolved output-token limit.
+        Raises:
+            ContextLengthExceededError, KVCapacityError.
+        """
+        max_tokens = self.engine.resolve_max_tokens(num_prompt_tokens, params)
+        kv = self.engine.kv
+        need = cdiv(num_prompt_tokens + max_tokens, kv.block_size)
+        if need > kv.num_blocks:
+            raise KVCapacityError(
+                f"the request needs {num_prompt_tokens + max_tokens} tokens of KV cache ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} for the completion) but the KV cache capacity is "
+                f"{kv.num_tokens_capacity()} tokens; reduce max_tokens or the prompt")
+        return max_tokens
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request without waiting; ``await stream.accepted()`` reports the engine's verdict.
+
+        Raises:
+            QueueFullError: too many waiting sequences or shutting down; EngineDeadError: the engine failed;
+            ValueError: duplicate id.
+        """
+        loop = asyncio.get_running_loop()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        stream = RequestStream(self, request_id, loop)
+        with self._cond:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine failed: {self._dead!r}")
+            if self._stopping:
+                raise QueueFullError("the server is shutting down", retry_after=5.0)
+            waiting = (self._stats.num_waiting if self._stats else 0) + self._pending_seqs
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting "
+                                     f"(limit {self.max_waiting}); retry later")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._commands.append(("add", request_id, prompt, params, arrival, priority, stream))
+            self._pending_seqs += params.n
+            self._cond.notify()
+        return stream
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request and wait until the engine accepted it (at most one step).
+
+        Raises:
+            what :meth:`submit` and :meth:`RequestStream.accepted` raise.
+        """
+        stream = self.submit(request_id, prompt, params, arrival_time, priority)
+        await stream.accepted()
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       arrival_time: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; closing or cancelling the iteration aborts it."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored). Applied before the next step."""
+        with self._cond:
+            self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests, abort the in-flight ones (they end with finish_reason "abort"), stop the thread.
+        Does not wait."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """:meth:`begin_shutdown`, then wait for the engine thread to end."""
+        self.begin_shutdown()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -------------------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            with self._cond:
+                self._publish_stats()
+            self._ready.set()
+            has_work = False
+            while True:
+                with self._cond:
+                    while not self._commands and not has_work and not self._stopping:
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    self._apply(commands)
+                    stopping = self._stopping
+                    if stopping and self._active:
+                        engine.abort_request(list(self._active))
+                    self._publish_stats()
+                has_work = engine.has_unfinished_requests()
+                if has_work:
+                    outputs = engine.step()
+                    with self._cond:
+                        self._publish_stats()
+                    self._dispatch(outputs)
+                    has_work = engine.has_unfinished_requests()
+                if stopping and not has_work:
+                    break
+        except BaseException as exc:  # a bug in the engine: fail every request, refuse new ones
+            logger.exception("engine thread failed")
+            with self._cond:
+                self._dead = exc
+                commands, self._commands = self._commands, []
+                for cmd in commands:
+                    if cmd[0] == "add":
+                        self._pending_seqs -= cmd[3].n
+            self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
+        finally:
+            with self._cond:
+                self._stopping = True
+            self._ready.set()
+        logger.info("engine thread stopped")
+
+    def _apply(self, commands: list[tuple]) -> None:
+        """Apply queued adds and aborts in order (engine thread, under the condition's lock)."""
+        for cmd in commands:
+            if cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+                continue
+            _, request_id, prompt, params, arrival, priority, stream = cmd
+            self._pending_seqs -= params.n
+            error: BaseException | None = None
+            if self._stopping:
+                error = QueueFullError("the server is shutting down", retry_after=5.0)
+            else:
+                try:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
+                    self._active.add(request_id)
+                except Exception as exc:
+                    error = exc
+            try:
+                stream._loop.call_soon_threadsafe(self._settle, stream, error)
+            except RuntimeError:  # the caller's loop is closed
+                self._streams.pop(request_id, None)
+
+    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
+        """Runs on the request's event loop: report the outcome of its add to the waiting caller."""
+        if error is not None:
+            stream.finished = True
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+        if stream._added.done():  # the caller was cancelled meanwhile (and aborted the request)
+            return
+        if error is None:
+            stream._added.set_result(None)
+        else:
+            stream._added.set_exception(error)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.get_stats()
+        self._stats = AsyncEngineStats(stats, stats.num_waiting, stats.num_running, stats.kv_cache_usage)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for out in outputs:
+            if out.finished:
+                self._active.discard(out.request_id)
+        stats = self._stats.engine
+        for observer in self._observers:
+            try:
+                observer.on_step(outputs, stats)
+            except Exception:
+                logger.exception("engine observer failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append(out)
+        for loop, outs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, outs)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for out in outs:
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the requests' event loop."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                stream._loop.call_soon_threadsafe(self._fail, request_id, exc)
+            except RuntimeError:
+                self._streams.pop(request_id, None)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        if not stream._added.done():
+            stream._added.set_exception(exc)
+        else:
+            stream._queue.put_nowait(exc)
+

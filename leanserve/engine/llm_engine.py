@@ -1,0 +1,238 @@
+"""The synchronous engine: add requests, call :meth:`LLMEngine.step` until done.
+
+One step = schedule -> run the model -> update the scheduler -> detokenize. The HTTP server drives the same loop
+from a background task; :class:`leanserve.LLM` drives it to completion for offline batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from leanserve.config import EngineConfig
+from leanserve.core.kv_cache_manager import KVCacheManager
+from leanserve.core.request import Request, RequestStatus
+from leanserve.core.scheduler import Scheduler
+from leanserve.engine.output_processor import OutputProcessor, ParentState
+from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
+from leanserve.loader import LoadedModel, load_model
+from leanserve.model.llama import LlamaModel
+from leanserve.outputs import RequestOutput
+from leanserve.sampling_params import SamplingParams
+from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
+from leanserve.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
+DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory left free after loading the weights
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    """Counters for metrics and tests (vLLM metric in brackets)."""
+
+    num_running: int  # [vllm:num_requests_running]
+    num_waiting: int  # [vllm:num_requests_waiting]
+    kv_cache_usage: float  # used blocks / total, in [0, 1] [vllm:kv_cache_usage_perc]
+    num_blocks: int
+    num_free_blocks: int  # including free blocks that hold cached prefixes
+    prefix_cache_queries: int  # prompt tokens looked up [vllm:prefix_cache_queries]
+    prefix_cache_hits: int  # prompt tokens found [vllm:prefix_cache_hits]
+    num_preemptions: int  # [vllm:num_preemptions]
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """torch dtype for "float32"/"bfloat16". Raises InvalidParameterError for others."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidParameterError("dtype", f"dtype must be one of float32, bfloat16; got {name!r}") from None
+
+
+class LLMEngine:
+    """Loads the model, owns the KV cache, scheduler, runner and output processor.
+
+    Args:
+        config: engine options.
+        loaded: an already loaded model (tests reuse one); default: ``load_model(config.model)``.
+        device: torch device; default CUDA when available, else CPU.
+
+    Raises:
+        ModelLoadError: when the model cannot be loaded. InvalidParameterError: for bad options.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 device: str | torch.device | None = None) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        loaded = loaded or load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        ctx = loaded.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or ctx
+        if self.max_model_len < 2:
+            raise InvalidParameterError("max_model_len", f"max_model_len must be >= 2, got {self.max_model_len}")
+        if config.block_size < 1 or config.max_num_seqs < 1:
+            raise InvalidParameterError("block_size", "block_size and max_num_seqs must be >= 1")
+        if config.max_num_batched_tokens is not None and config.max_num_batched_tokens < 1:
+            raise InvalidParameterError("max_num_batched_tokens", "max_num_batched_tokens must be >= 1")
+        dtype = resolve_dtype(config.dtype)
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
+                                max_position=max(self.max_model_len, ctx))
+        cfg = loaded.config
+        elem = torch.empty(0, dtype=dtype).element_size()
+        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        self.kv_bytes_per_token = bytes_per_token
+        mem = config.kv_cache_memory or self._default_kv_memory()
+        num_blocks = int(mem // (bytes_per_token * config.block_size))
+        if num_blocks < 1:
+            raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory={mem} bytes holds no block of "
+                                        f"{config.block_size} tokens ({bytes_per_token} bytes per token)")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if num_blocks * config.block_size < self.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
+                           num_blocks * config.block_size, self.max_model_len)
+        threshold = config.long_prefill_token_threshold
+        if threshold is None:
+            threshold = 2048 if self.device.type == "cuda" else 256
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None)
+        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
+                                  seed=config.seed)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
+        self.load_time_s = loaded.load_time_s
+        self.init_time_s = time.perf_counter() - t0
+
+    def _default_kv_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * DEFAULT_GPU_KV_FRACTION)
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+
+    # ----------------------------------------------------------------------------------------- requests
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (BOS added per the model) or a validated list of ids.
+
+        Raises:
+            InvalidParameterError: empty prompt, or ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        return ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Output-token limit for a prompt, checked against the context and the KV pool.
+
+        Raises:
+            ContextLengthExceededError: prompt (+ max_tokens) longer than max_model_len.
+            KVCapacityError: the pool cannot hold even the prompt and one token.
+        """
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for a completion.", param="prompt")
+        if params.max_tokens is not None:
+            if num_prompt_tokens + params.max_tokens > limit:
+                raise ContextLengthExceededError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                    f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                    param="max_tokens")
+            return params.max_tokens
+        capacity = self.kv.num_tokens_capacity()
+        if num_prompt_tokens >= capacity:
+            raise KVCapacityError(f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
+                                  f"{capacity} tokens; raise kv_cache_memory")
+        return min(limit, capacity) - num_prompt_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request (``params.n`` choices). Nothing is queued when it raises.
+
+        Raises:
+            InvalidParameterError (ContextLengthExceededError among them), KVCapacityError: see above;
+            ValueError: a request with this id is already running.
+        """
+        params = params or SamplingParams()
+        if request_id in self.processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(cid, prompt_ids, child_params, max_tokens, self.tokenizer.stop_token_ids,
+                                    arrival_time=arrival, priority=priority))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except KVCapacityError:
+            for child in added:
+                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        parent = ParentState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
+        self.processor.add(parent, children)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now and free their KV blocks; their final output (finish_reason "abort") comes with
+        the next :meth:`step`. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            for cid in self.processor.children_of(rid):
+                req = self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                if req is not None:
+                    self.processor.finish(req)
+                    self._pending.append(self.processor.snapshot(req))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # -------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return a :class:`RequestOutput` for every request that advanced or finished."""
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return outputs
+        runner_out = self.runner.execute_model(sched_out)
+        for res in self.scheduler.update_from_output(sched_out, runner_out.sampled):
+            req = res.request
+            stopped = self.processor.update(req, res.new_token_ids, runner_out.logprobs.get(req.request_id))
+            if stopped and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self.processor.finish(req)
+            outputs.append(self.processor.snapshot(req))
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        """Current counters."""
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_cache_usage=self.kv.usage, num_blocks=self.kv.num_blocks,
+                           num_free_blocks=self.kv.pool.num_free_blocks,
+                           prefix_cache_queries=self.kv.prefix_cache_queries,
+                           prefix_cache_hits=self.kv.prefix_cache_hits,
+                           num_preemptions=self.scheduler.num_preemptions)

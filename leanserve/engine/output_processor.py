@@ -1,0 +1,147 @@
+"""Turns per-step token deltas into :class:`RequestOutput` objects: detokenizes, applies stop strings,
+collects logprobs and timings, and groups the choices of an ``n > 1`` request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from leanserve.core.request import Request, RequestStatus
+from leanserve.engine.detokenizer import IncrementalDetokenizer
+from leanserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from leanserve.worker.sampler import TokenLogprobs
+
+
+@dataclass
+class ChoiceState:
+    """Output-side state of one choice (one scheduler :class:`Request`)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    output: CompletionOutput
+
+
+@dataclass
+class ParentState:
+    """A user request: its prompt and its ``n`` choices."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    choices: dict[str, ChoiceState] = field(default_factory=dict)  # child request id -> state
+    num_cached_tokens: int = 0
+
+
+def metrics_of(req: Request) -> RequestMetrics:
+    """Snapshot a request's timestamps."""
+    return RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                          first_token_time=req.first_token_time, last_token_time=req.last_token_time,
+                          finished_time=req.finished_time, num_generation_tokens=len(req.output_token_ids))
+
+
+class OutputProcessor:
+    """Keeps the detokenizers and cumulative outputs of live requests.
+
+    Args:
+        tokenizer: the model's tokenizer (``decode``, ``token_bytes``).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, parent: ParentState, children: list[Request]) -> None:
+        """Register a request's choices (index = position in ``children``)."""
+        for i, child in enumerate(children):
+            params = child.sampling_params
+            out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None)
+            parent.choices[child.request_id] = ChoiceState(i, IncrementalDetokenizer(self.tokenizer, params), out)
+            self.child_to_parent[child.request_id] = parent.request_id
+        self.parents[parent.request_id] = parent
+
+    def parent_of(self, child_id: str) -> str | None:
+        return self.child_to_parent.get(child_id)
+
+    def children_of(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.choices) if parent else []
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def update(self, req: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None) -> bool:
+        """Apply one step's tokens to a choice. Returns True when a stop string ended it (caller finishes it)."""
+        parent = self.parents[self.child_to_parent[req.request_id]]
+        choice = parent.choices[req.request_id]
+        out = choice.output
+        parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
+        out.delta_token_ids = list(new_token_ids)
+        out.token_ids.extend(new_token_ids)
+        stopped = False
+        text_ids = new_token_ids
+        if req.status is RequestStatus.FINISHED_STOPPED and not req.sampling_params.include_stop_str_in_output:
+            text_ids = new_token_ids[:-1]  # the EOS / stop token that ended the request never shows as text
+        if choice.detokenizer.finished:
+            out.delta_text = ""
+        else:
+            out.delta_text = choice.detokenizer.update(text_ids)
+            stopped = choice.detokenizer.finished
+        if logprobs is not None and out.logprobs is not None:
+            entry = {tid: Logprob(lp, rank=r + 1, decoded_token=self._token_text(tid))
+                     for r, (tid, lp) in enumerate(logprobs.top)}
+            entry[logprobs.token_id] = Logprob(logprobs.logprob, rank=logprobs.rank,
+                                               decoded_token=self._token_text(logprobs.token_id))
+            out.logprobs.append(entry)
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs.logprob
+        return stopped
+
+    def finish(self, req: Request) -> None:
+        """Record the end of a choice: flush held-back text, set finish and stop reasons."""
+        parent = self.parents[self.child_to_parent[req.request_id]]
+        choice = parent.choices[req.request_id]
+        out = choice.output
+        detok = choice.detokenizer
+        if detok.finished:
+            out.stop_reason = detok.stop_reason
+        else:
+            out.delta_text += detok.flush()
+            out.stop_reason = req.stop_reason
+        out.finish_reason = req.status.finish_reason
+        out.text = detok.output_text
+
+    def snapshot(self, req: Request) -> RequestOutput:
+        """The current :class:`RequestOutput` of the user request that ``req`` belongs to.
+
+        Only the choice ``req`` carries a delta; the other choices' deltas are cleared. A finished user request
+        (all choices finished) is forgotten after this call.
+        """
+        parent_id = self.child_to_parent[req.request_id]
+        parent = self.parents[parent_id]
+        outputs = []
+        for cid, choice in parent.choices.items():
+            out = choice.output
+            out.text = choice.detokenizer.output_text
+            if cid != req.request_id:
+                out.delta_text, out.delta_token_ids = "", []
+            else:
+                out.metrics = metrics_of(req)
+            outputs.append(out)
+        finished = all(c.output.finish_reason is not None for c in parent.choices.values())
+        result = RequestOutput(request_id=parent_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+                               outputs=[_copy(o) for o in outputs], finished=finished,
+                               num_cached_tokens=parent.num_cached_tokens, metrics=outputs[0].metrics)
+        for out in outputs:  # a delta is reported once
+            out.delta_text, out.delta_token_ids = "", []
+        if finished:
+            for cid in parent.choices:
+                self.child_to_parent.pop(cid, None)
+            del self.parents[parent_id]
+        return result
+
+
+def _copy(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(index=o.index, text=o.text, token_ids=list(o.token_ids), finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason, logprobs=None if o.logprobs is None else list(o.logprobs),
+                            cumulative_logprob=o.cumulative_logprob, delta_text=o.delta_text,
+                            delta_token_ids=list(o.delta_token_ids), metrics=o.metrics)

@@ -1,0 +1,121 @@
+"""The offline Python API, in the style of vLLM's ``LLM`` class."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from leanserve.config import EngineConfig
+from leanserve.engine.llm_engine import LLMEngine
+from leanserve.errors import InvalidParameterError
+from leanserve.loader import LoadedModel
+from leanserve.outputs import RequestOutput
+from leanserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate text for batches of prompts with one model; all prompts of a call run as one continuous batch.
+
+    Args:
+        model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+        dtype: "float32" or "bfloat16".
+        block_size, kv_cache_memory (bytes), max_num_seqs, max_num_batched_tokens, max_model_len (tokens),
+        enable_prefix_caching, seed: see :class:`leanserve.config.EngineConfig`.
+        loaded: reuse an already loaded model (skips loading).
+        engine_kwargs: other :class:`EngineConfig` fields (``long_prefill_token_threshold``,
+            ``scheduling_policy``); an unknown name raises TypeError.
+
+    Example:
+        >>> llm = LLM()
+        >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+        >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", block_size: int = 16,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int | None = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, loaded: LoadedModel | None = None,
+                 device: str | None = None, **engine_kwargs: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                              **engine_kwargs)
+        self.engine = LLMEngine(config, loaded=loaded, device=device)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's :class:`leanserve.tokenizer.Tokenizer`."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt (no chat template). Returns outputs in prompt order.
+
+        Raises:
+            InvalidParameterError: bad prompt or parameter (nothing runs); ContextLengthExceededError,
+            KVCapacityError: a prompt too long for the context or the KV pool.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        return self._run([self._prompt_of(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them, applying the
+        model's chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for conv in messages]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _prompt_of(p: PromptType) -> str | list[int]:
+        if isinstance(p, str):
+            return p
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if isinstance(p, dict) and isinstance(p.get("prompt"), str):
+            return p["prompt"]
+        raise InvalidParameterError("prompt", "a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidParameterError("sampling_params", f"got {len(params_list)} sampling params for "
+                                            f"{len(prompts)} prompts")
+        engine = self.engine
+        for p, params in zip(prompts, params_list, strict=True):  # validate everything before queueing
+            engine.resolve_max_tokens(len(engine.tokenize_prompt(p)), params)
+        ids: list[str] = []
+        try:
+            for p, params in zip(prompts, params_list, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                engine.add_request(rid, p, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in ids]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``leanserve serve``): app factory in :mod:`.api_server`."""

@@ -1,0 +1,232 @@
+"""Prometheus metrics of one server (vLLM's ``vllm:*`` names, label ``model_name``), in a registry of its own.
+
+Request-level histograms get one observation per request, when it ends (any reason); inter-token latency gets
+one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
+async engine's stats snapshot at scrape time. Process memory comes from prometheus_client's process collector;
+GPU memory (``leanserve:gpu_memory_*_bytes``) is exported when torch sees CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from leanserve.engine.async_engine import AsyncEngineStats
+from leanserve.engine.llm_engine import EngineStats
+from leanserve.outputs import RequestOutput
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exp
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exp += 1
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """Per-request latencies in seconds (None when the request never got that far) and token counts.
+
+    With n > 1 choices: TTFT and queue time from the earliest choice, decode time from the first token of any
+    choice to the last token of any, TPOT over the longest choice.
+    """
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generation_tokens: int  # over all choices
+    queue_time: float | None
+    ttft: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    tpot: float | None
+    e2e_latency: float | None
+
+
+def summarize(out: RequestOutput) -> RequestSummary:
+    """The :class:`RequestSummary` of a (finished) request output."""
+    metrics = [o.metrics for o in out.outputs if o.metrics is not None] or (
+        [out.metrics] if out.metrics is not None else [])
+    arrival = metrics[0].arrival_time if metrics else None
+
+    def first(values):
+        values = [v for v in values if v is not None]
+        return min(values) if values else None
+
+    def last(values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    scheduled = first(m.first_scheduled_time for m in metrics)
+    first_token = first(m.first_token_time for m in metrics)
+    last_token = last(m.last_token_time for m in metrics)
+    finished = last(m.finished_time for m in metrics)
+    queue = None if scheduled is None or arrival is None else scheduled - arrival
+    ttft = None if first_token is None or arrival is None else first_token - arrival
+    prefill = None if first_token is None or scheduled is None else first_token - scheduled
+    decode = None if first_token is None or last_token is None else last_token - first_token
+    longest = max((len(o.token_ids) for o in out.outputs), default=0)
+    tpot = decode / (longest - 1) if decode is not None and longest >= 2 else None
+    e2e = None if finished is None or arrival is None else finished - arrival
+    return RequestSummary(len(out.prompt_token_ids), out.num_cached_tokens, sum(len(o.token_ids) for o in out.outputs),
+                          queue, ttft, prefill, decode, tpot, e2e)
+
+
+class _EngineCollector(Collector):
+    """Gauges and cumulative counters read from the engine's stats snapshot at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        labels = [self._model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of sequences in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Number of sequences waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage: fraction of blocks in use, 0..1.", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            yield g
+        e: EngineStats = s.engine
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Cumulative number of preemptions.", e.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+
+
+class _GpuCollector(Collector):
+    def collect(self) -> Iterable[Metric]:
+        import torch
+
+        allocated = GaugeMetricFamily("leanserve:gpu_memory_allocated_bytes", "GPU memory held by tensors.",
+                                      labels=["device"])
+        reserved = GaugeMetricFamily("leanserve:gpu_memory_reserved_bytes", "GPU memory reserved by torch.",
+                                     labels=["device"])
+        for i in range(torch.cuda.device_count()):
+            allocated.add_metric([str(i)], torch.cuda.memory_allocated(i))
+            reserved.add_metric([str(i)], torch.cuda.memory_reserved(i))
+        yield allocated
+        yield reserved
+
+
+class ServerMetrics:
+    """The metrics of one app. Register it with ``async_engine.add_observer(metrics)``; render with
+    :meth:`render`.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+        stats: returns the engine's current :class:`AsyncEngineStats` (cheap, thread-safe).
+        max_model_len: top of the token-count buckets.
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats], max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generated tokens.")
+        self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token, from arrival (queueing included).", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to first token.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Time from first to last output token.",
+                                REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request (all choices).", token_buckets)
+        r.register(_EngineCollector(model_name, stats))
+        ProcessCollector(registry=r)
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                r.register(_GpuCollector())
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        # Engine-thread state: per (request, choice) tokens seen and time of the last one; requests prefilled.
+        self._seen: dict[tuple[str, int], tuple[int, float | None]] = {}
+        self._prefilled: set[str] = set()
+
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """Engine thread: count tokens, observe inter-token gaps, and per-request histograms at the end."""
+        for out in outputs:
+            rid = out.request_id
+            for o in out.outputs:
+                key = (rid, o.index)
+                seen, last_time = self._seen.get(key, (0, None))
+                new = len(o.token_ids) - seen
+                if new <= 0:
+                    continue
+                now = o.metrics.last_token_time if o.metrics is not None else None
+                self.generation_tokens.inc(new)
+                if last_time is not None and now is not None:
+                    gap = (now - last_time) / new
+                    for _ in range(new):
+                        self.itl.observe(gap)
+                self._seen[key] = (len(o.token_ids), now)
+                if rid not in self._prefilled:
+                    self._prefilled.add(rid)
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.finished:
+                self._request_done(out)
+
+    def _request_done(self, out: RequestOutput) -> None:
+        for o in out.outputs:
+            self._seen.pop((out.request_id, o.index), None)
+        self._prefilled.discard(out.request_id)
+        reason = out.outputs[0].finish_reason or "abort"
+        self._success.labels(self._model_name, reason).inc()
+        s = summarize(out)
+        for hist, value in ((self.ttft, s.ttft), (self.tpot, s.tpot), (self.e2e, s.e2e_latency),
+                            (self.queue, s.queue_time), (self.prefill, s.prefill_time), (self.decode, s.decode_time)):
+            if value is not None:
+                hist.observe(max(value, 0.0))
+        self.request_prompt_tokens.observe(s.num_prompt_tokens)
+        self.request_generation_tokens.observe(s.num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

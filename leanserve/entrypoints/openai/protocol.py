@@ -1,0 +1,280 @@
+"""Pydantic models of the OpenAI-compatible API (requests and responses), plus vLLM's extension fields.
+
+Requests validate strictly (no "5" for 5, no true for 1); unknown fields are ignored and logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of request models: strict types, unknown fields ignored (and logged at debug level)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            known |= {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                logger.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
+        return data
+
+
+class ResponseModel(BaseModel):
+    """Base of response models (built by the server, so not strict)."""
+
+
+# ----------------------------------------------------------------------------------------------------- requests
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The dict the chat template sees: role (developer as system) and content as one string."""
+        if isinstance(self.content, list):
+            content = "".join(p.text for p in self.content)
+        else:
+            content = self.content or ""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = None  # None: the served model
+    n: int = 1
+    temperature: float | None = None  # None: 1.0 (OpenAI's default)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: until the model stops or the context is full
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class Timings(ResponseModel):
+    """Per-request timings, in the spirit of llama.cpp's ``timings`` (milliseconds; None if not reached)."""
+
+    prompt_n: int
+    cached_n: int
+    predicted_n: int
+    queue_ms: float | None = None
+    prompt_ms: float | None = None  # prefill: first scheduling to first token
+    ttft_ms: float | None = None  # arrival to first token, queueing included
+    decode_ms: float | None = None  # first to last token
+    predicted_per_token_ms: float | None = None
+    predicted_per_second: float | None = None  # decode speed of one sequence, tokens after the first
+    e2e_ms: float | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "leanserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    timings: Timings | None = None
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    timings: Timings | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    """The legacy completions format: parallel lists per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    timings: Timings | None = None
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    timings: Timings | None = None
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

@@ -1,0 +1,204 @@
+"""``POST /v1/chat/completions``: chat template, sampling parameters, streamed (SSE) and whole responses.
+
+Streaming policy: one role chunk per choice first (``{"role": "assistant", "content": ""}``), then content
+chunks, then per choice one finishing chunk with an empty delta and its ``finish_reason``; with
+``stream_options.include_usage`` every chunk has ``usage: null`` and a usage-only chunk (``choices: []``) comes
+just before ``data: [DONE]``. With logprobs, a chunk is sent for every step that produced tokens, carrying
+exactly those tokens' logprobs, even when the detokenizer held their text back (its content is then "" and the
+text arrives with a later chunk); without logprobs, steps that released no text send nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+)
+from leanserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ChoiceProgress,
+    ClientDisconnected,
+    OpenAIError,
+    SSEResponse,
+    add_all,
+    arrival_time,
+    bad_request,
+    check_model,
+    clamp_logprob,
+    new_id,
+    run_unless_disconnected,
+    sampling_params,
+    sse,
+    timings_of,
+    to_openai_error,
+    top_entries,
+    usage_of,
+)
+from leanserve.errors import InvalidParameterError
+from leanserve.outputs import Logprob, RequestOutput
+from leanserve.sampling_params import MAX_LOGPROBS
+
+_PARAM_NAMES = {"logprobs": "top_logprobs"}
+
+
+class OpenAIServingChat:
+    """Serves chat completions for one model through an :class:`AsyncEngine`."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+
+    def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of the conversation: chat template applied, encoded without adding special tokens."""
+        messages = [m.to_template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except InvalidParameterError as exc:
+            raise to_openai_error(exc) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        arrival = arrival_time(raw_request)
+        check_model(req.model, self.model_name)
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                                  "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{max_name} must be at least 1, got {max_tokens}", max_name)
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        prompt_ids = self.render_prompt(req)
+        try:
+            self.engine.check_request(len(prompt_ids), params)
+        except Exception as exc:
+            raise to_openai_error(exc, _PARAM_NAMES) from None
+        request_id = new_id("chatcmpl")
+        try:
+            (stream,) = await add_all(self.engine, request_id, [prompt_ids], params, arrival, req.priority)
+        except Exception as exc:
+            raise to_openai_error(exc, _PARAM_NAMES) from None
+        created = int(time.time())
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._stream(stream, request_id, created, params.n, top_n, include_usage)
+            return SSEResponse(body, on_close=stream.abort)
+
+        async def collect() -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        try:
+            final = await run_unless_disconnected(raw_request, collect(), stream.abort)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(self._response(final, request_id, created, top_n).model_dump(mode="json"))
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None
+                  ) -> ChatLogprobs | None:
+        if top_n is None:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, entries, strict=False):
+            chosen = entry.get(tid)
+            tops = [self._top(t, lp) for t, lp in top_entries(entry, top_n)]
+            text, raw = self._token(tid, chosen)
+            content.append(ChatLogprobToken(token=text, logprob=clamp_logprob(chosen.logprob if chosen else 0.0),
+                                            bytes=raw, top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def _token(self, tid: int, lp: Logprob | None) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(tid)
+        text = lp.decoded_token if lp is not None and lp.decoded_token is not None else raw.decode("utf-8", "replace")
+        return text, list(raw)
+
+    def _top(self, tid: int, lp: Logprob) -> TopLogprob:
+        text, raw = self._token(tid, lp)
+        return TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=raw)
+
+    def _response(self, final: RequestOutput, request_id: str, created: int, top_n: int | None
+                  ) -> ChatCompletionResponse:
+        choices = []
+        for o in final.outputs:
+            logprobs = self._logprobs(o.token_ids, o.logprobs or [], top_n)
+            choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=logprobs,
+                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices,
+            usage=usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+            timings=timings_of([final]))
+
+    async def _stream(self, stream, request_id: str, created: int, n: int, top_n: int | None,
+                      include_usage: bool) -> AsyncIterator[str]:
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choices: list[ChatStreamChoice], **extra) -> str:
+            c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, **extra)
+            data = c.model_dump(mode="json", exclude=exclude)
+            for ch in data["choices"]:
+                ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+            if data.get("timings") is None:
+                data.pop("timings", None)
+            return sse(data)
+
+        progress = [ChoiceProgress() for _ in range(n)]
+        final: RequestOutput | None = None
+        try:
+            for i in range(n):
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for out in stream:
+                final = out if out.finished else final
+                for o in out.outputs:
+                    p = progress[o.index]
+                    if p.finished:
+                        continue
+                    text, tokens, entries = p.advance(o)
+                    if text or (top_n is not None and tokens):
+                        logprobs = self._logprobs(tokens, entries, top_n)
+                        yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(content=text),
+                                                      logprobs=logprobs)])
+                    if o.finish_reason is not None:
+                        p.finished = True
+                        last = out.finished and all(q.finished for q in progress)
+                        yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(),
+                                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                                    timings=timings_of([out]) if last else None)
+            if include_usage and final is not None:
+                completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+                usage = usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
+                yield chunk([], usage=usage)
+        except Exception as exc:  # the engine failed mid-stream: report it in the stream
+            yield sse(to_openai_error(exc).body())
+        finally:
+            stream.abort()
+        yield SSE_DONE
+
+
+__all__ = ["OpenAIServingChat", "OpenAIError"]

@@ -1,0 +1,215 @@
+"""``POST /v1/completions``: prompts as text, texts, token ids or lists of token ids; echo; legacy logprobs.
+
+Choice ``index`` is ``prompt_index * n + choice_index``. Policies: ``suffix`` is rejected (400); ``echo`` with
+``logprobs`` is rejected (leanserve computes no prompt logprobs); ``echo`` with ``max_tokens: 0`` returns the
+prompt without generating. Streaming follows the chat rules (see serving_chat), with ``text`` instead of
+``delta``: the echoed prompt comes in each choice's first chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from leanserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ChoiceProgress,
+    ClientDisconnected,
+    MultiStream,
+    SSEResponse,
+    add_all,
+    arrival_time,
+    bad_request,
+    check_model,
+    clamp_logprob,
+    new_id,
+    run_unless_disconnected,
+    sampling_params,
+    sse,
+    timings_of,
+    to_openai_error,
+    top_entries,
+    usage_of,
+)
+from leanserve.errors import InvalidParameterError
+from leanserve.outputs import Logprob, RequestOutput
+
+
+class OpenAIServingCompletion:
+    """Serves legacy completions for one model through an :class:`AsyncEngine`."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise bad_request("prompt must not be empty", "prompt")
+        try:
+            return [self.engine.tokenize_prompt(item) for item in items]
+        except InvalidParameterError as exc:
+            raise to_openai_error(exc) from None
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        arrival = arrival_time(raw_request)
+        check_model(req.model, self.model_name)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.logprobs is not None and req.echo:
+            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        prompts = self._prompts(req)
+        if req.echo and req.max_tokens == 0:
+            return self._echo_only(req, prompts)
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        try:
+            for ids in prompts:
+                self.engine.check_request(len(ids), params)
+        except Exception as exc:
+            raise to_openai_error(exc) from None
+        request_id = new_id("cmpl")
+        try:
+            streams = await add_all(self.engine, request_id, prompts, params, arrival, req.priority)
+        except Exception as exc:
+            raise to_openai_error(exc) from None
+        created = int(time.time())
+        echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        merged = MultiStream(streams)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._stream(merged, request_id, created, params.n, req.logprobs, echo, include_usage)
+            return SSEResponse(body, on_close=lambda: [s.abort() for s in streams])
+
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+            return finals
+
+        try:
+            finals = await run_unless_disconnected(raw_request, collect(), lambda: [s.abort() for s in streams])
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo)
+                            .model_dump(mode="json"))
+
+    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]]) -> Response:
+        choices = []
+        for i, ids in enumerate(prompts):
+            text = self.tokenizer.decode(ids)
+            for j in range(req.n):
+                choices.append(CompletionChoice(index=i * req.n + j, text=text, finish_reason="length"))
+        usage = usage_of(sum(len(ids) for ids in prompts), 0, 0)
+        resp = CompletionResponse(id=new_id("cmpl"), created=int(time.time()), model=self.model_name,
+                                  choices=choices, usage=usage)
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None,
+                  offset: int) -> CompletionLogprobs | None:
+        """Legacy logprobs of some tokens; ``offset`` is the character offset of the first one in the text."""
+        if top_n is None:
+            return None
+        lp = CompletionLogprobs()
+        for tid, entry in zip(token_ids, entries, strict=False):
+            chosen = entry.get(tid)
+            text = self._text(tid, chosen)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+            tops = {self._text(t, x): clamp_logprob(x.logprob) for t, x in top_entries(entry, top_n)}
+            if chosen is not None:
+                tops.setdefault(text, clamp_logprob(chosen.logprob))
+            lp.top_logprobs.append(tops)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    def _text(self, tid: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.token_bytes(tid).decode("utf-8", "replace")
+
+    def _response(self, finals: list[RequestOutput], request_id: str, created: int, n: int, top_n: int | None,
+                  echo: list[str]) -> CompletionResponse:
+        choices = []
+        for i, final in enumerate(finals):
+            for o in final.outputs:
+                logprobs = self._logprobs(o.token_ids, o.logprobs or [], top_n, len(echo[i]))
+                choices.append(CompletionChoice(index=i * n + o.index, text=echo[i] + o.text, logprobs=logprobs,
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        usage = usage_of(sum(len(f.prompt_token_ids) for f in finals),
+                         sum(len(o.token_ids) for f in finals for o in f.outputs),
+                         sum(f.num_cached_tokens for f in finals))
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                  usage=usage, timings=timings_of(finals))
+
+    async def _stream(self, merged: MultiStream, request_id: str, created: int, n: int, top_n: int | None,
+                      echo: list[str], include_usage: bool) -> AsyncIterator[str]:
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choices: list[CompletionChoice], **extra) -> str:
+            c = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                         **extra)
+            data = c.model_dump(mode="json", exclude=exclude)
+            if data.get("timings") is None:
+                data.pop("timings", None)
+            return sse(data)
+
+        num_prompts = len(echo)
+        progress = [ChoiceProgress() for _ in range(num_prompts * n)]
+        offsets = [len(echo[k // n]) for k in range(num_prompts * n)]
+        echoed = [False] * (num_prompts * n)
+        finals: list[RequestOutput | None] = [None] * num_prompts
+        try:
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+                for o in out.outputs:
+                    k = i * n + o.index
+                    p = progress[k]
+                    if p.finished:
+                        continue
+                    text, tokens, entries = p.advance(o)
+                    if not echoed[k] and echo[i]:
+                        text = echo[i] + text
+                    echoed[k] = True
+                    if text or (top_n is not None and tokens):
+                        logprobs = self._logprobs(tokens, entries, top_n, offsets[k])
+                        if logprobs is not None:
+                            offsets[k] += sum(len(t) for t in logprobs.tokens)
+                        yield chunk([CompletionChoice(index=k, text=text, logprobs=logprobs)])
+                    if o.finish_reason is not None:
+                        p.finished = True
+                        last = all(f is not None for f in finals) and all(q.finished for q in progress)
+                        yield chunk([CompletionChoice(index=k, text="", finish_reason=o.finish_reason,
+                                                      stop_reason=o.stop_reason)],
+                                    timings=timings_of(finals) if last else None)
+            if include_usage:
+                done = [f for f in finals if f is not None]
+                usage = usage_of(sum(len(f.prompt_token_ids) for f in done),
+                                 sum(len(o.token_ids) for f in done for o in f.outputs),
+                                 sum(f.num_cached_tokens for f in done))
+                yield chunk([], usage=usage)
+        except Exception as exc:
+            yield sse(to_openai_error(exc).body())
+        finally:
+            await merged.aclose()
+        yield SSE_DONE

@@ -1,0 +1,38 @@
+"""Typed exceptions raised by leanserve. Callers catch these instead of parsing messages."""
+
+from __future__ import annotations
+
+
+class LeanserveError(Exception):
+    """Base class of every error leanserve raises on purpose."""
+
+
+class InvalidParameterError(LeanserveError, ValueError):
+    """A request or sampling parameter is out of range or ill-typed.
+
+    Attributes:
+        param: name of the offending parameter (as the user spelled it, e.g. ``"top_p"``).
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidParameterError):
+    """The prompt (plus the requested completion) is longer than the model's context, in tokens."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(param, message)
+
+
+class ModelLoadError(LeanserveError):
+    """A model file or folder cannot be read (missing, malformed, or of an unsupported architecture)."""
+
+
+class UnsupportedTensorTypeError(ModelLoadError):
+    """A GGUF tensor uses a quantization type leanserve cannot dequantize; the message names tensor and type."""
+
+
+class KVCapacityError(LeanserveError):
+    """A request needs more KV cache blocks than the whole pool has, so it can never be scheduled."""

@@ -1,0 +1,102 @@
+"""Attention over a paged KV cache (PagedAttention, Kwon et al., SOSP 2023), in plain PyTorch for CPU and GPU.
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the layout
+of vLLM's flash backend): gathering a sequence's blocks is one ``index_select`` on dim 0, and the result is
+used through a strided view, without a second copy. Tokens of a
+step are flattened: the first ``num_decodes`` tokens are decodes (one new token per sequence), the rest are
+prefill chunks, one contiguous run of tokens per sequence.
+
+* Decodes run as one batched ``scaled_dot_product_attention`` call: each sequence's blocks are gathered through
+  its block table into ``[num_decodes, kv_heads, max_len, head_dim]`` and padding keys are masked out. The query
+  heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
+* Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
+  prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk inside the flattened batch."""
+
+    query_start: int  # index of the chunk's first token in the flattened batch
+    query_len: int  # tokens in this chunk
+    context_len: int  # tokens of the sequence already in the cache before this chunk
+    block_ids: torch.Tensor  # [num_blocks_of_sequence] int64: the sequence's block table
+    mask: torch.Tensor | None = None  # [query_len, context_len + query_len] bool, True = attend; None if no context
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer needs to write and read the paged KV cache for one step (shared by all layers)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
+    num_decodes: int = 0  # leading tokens that are single-token decodes
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ([T, kv_heads, head_dim]) in the cache slots ``slot_mapping`` ([T] int64)."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys or values of the blocks ``block_ids`` ([..., n] int64) as a [..., kv_heads, n * block_size, head_dim]
+    strided view of one gathered copy."""
+    _, block_size, kv_heads, head_dim = cache.shape
+    lead = block_ids.shape[:-1]
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # [prod(lead) * n, block_size, kv_heads, head_dim]
+    blocks = blocks.view(*lead, block_ids.shape[-1] * block_size, kv_heads, head_dim)
+    return blocks.transpose(-3, -2)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Causal self-attention of the step's tokens over their sequences' cached and new keys/values.
+
+    Args:
+        q: [T, num_heads, head_dim] queries (RoPE applied).
+        k, v: [T, kv_heads, head_dim] new keys/values; written to the cache here.
+        k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] this layer's KV cache.
+        meta: step metadata (slot mapping, decode block tables, prefill chunks).
+
+    Returns:
+        [T, num_heads, head_dim] attention output, scaled by 1/sqrt(head_dim).
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        group = num_heads // kv_heads
+        qd = q[:d].view(d, kv_heads, group, head_dim)  # GQA group as that KV head's queries
+        kd = _gather(k_cache, meta.decode_block_table)  # [d, kv_heads, max_len, head_dim]
+        vd = _gather(v_cache, meta.decode_block_table)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out[:d] = od.reshape(d, num_heads, head_dim)
+    for p in meta.prefills:
+        sl = slice(p.query_start, p.query_start + p.query_len)
+        qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+        if p.context_len == 0:
+            kp = k[sl].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
+            vp = v[sl].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        else:
+            kv_len = p.context_len + p.query_len
+            kp = _gather(k_cache, p.block_ids)[:, :kv_len].unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
+            vp = _gather(v_cache, p.block_ids)[:, :kv_len].unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
+        out[sl] = op[0].transpose(0, 1)
+    return out

@@ -1,0 +1,142 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) over a flattened batch of tokens.
+
+No padded rectangles: the tokens of every scheduled sequence are concatenated into one ``[T]`` vector with their
+absolute positions; attention keeps sequences apart through :class:`AttentionMetadata`. The math matches Hugging
+Face ``LlamaForCausalLM`` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP); Q/K/V and gate/up projections are
+fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from leanserve.config import ModelConfig
+from leanserve.model.attention import AttentionMetadata, paged_attention
+from leanserve.model.rope import RotaryEmbedding, apply_rope
+
+# Rows above which a bf16 matmul is run in fp32: this CPU has no bf16 GEMM path (a batched bf16 GEMM runs at
+# ~0.3 GFLOP/s), while a bf16 matrix-vector product is fast (half the bytes of fp32).
+_BF16_GEMM_MAX_ROWS = 8
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + b`` for x [T, in] and w [out, in], choosing the fast kernel for the dtype and T."""
+    if w.dtype == torch.bfloat16 and x.shape[0] > _BF16_GEMM_MAX_ROWS and x.device.type == "cpu":
+        bias = None if b is None else b.float()
+        return F.linear(x.float(), w.float(), bias).to(torch.bfloat16)
+    return F.linear(x, w, b)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019) computed in fp32 as HF does; x [T, hidden], weight [hidden]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    """Weights of one decoder layer, ``[out, in]`` like ``nn.Linear``."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * kv_heads) * head_dim] (Qwen2) or None
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """The decoder with its weights, in ``dtype`` on ``device``.
+
+    Args:
+        config: architecture.
+        weights: HF-named, HF-layout tensors (see ``leanserve.loader``); consumed (fused copies are kept).
+        dtype: torch.float32 or torch.bfloat16.
+        device: torch device.
+        max_position: positions to precompute RoPE for (tokens).
+
+    Raises:
+        KeyError: when a required weight is missing from ``weights``.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", max_position: int | None = None) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(att + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(att + f"{n}_proj.weight") for n in "qkv"]),
+                qkv_bias=bias,
+                o=w(att + "o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = RotaryEmbedding(config.head_dim, max_position or config.max_position_embeddings,
+                                    config.rope_theta, config.rope_scaling)
+        self.rope.cos = self.rope.cos.to(self.device)
+        self.rope.sin = self.rope.sin.to(self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the model's weights (the tied output matrix counted once)."""
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        Args:
+            input_ids: [T] int64 token ids.
+            positions: [T] int64 absolute positions of those tokens in their sequences.
+            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim].
+            meta: attention metadata of this step.
+
+        Returns:
+            [T, hidden] final hidden states (after the last RMSNorm), in the model dtype.
+        """
+        cfg = self.config
+        t = input_ids.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, num_heads, head_dim]
+            x = x + linear(attn.view(t, q_size), layer.o)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + linear(F.silu(gate) * up, layer.down)
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] float32 for hidden states [N, hidden]."""
+        return linear(hidden, self.lm_head).float()

@@ -1,0 +1,146 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, and samples.
+
+Inputs are built as flat Python lists and copied to tensors once per step: ``input_ids``, ``positions``,
+``slot_mapping`` (``block_table[pos // block_size] * block_size + pos % block_size``), the padded decode block
+table and per-chunk prefill metadata. Logits are computed only at the positions that sample.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from leanserve.model.attention import AttentionMetadata, PrefillChunk
+from leanserve.model.llama import LlamaModel
+from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int,
+                      dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V caches for every layer, each [num_blocks, block_size, kv_heads, head_dim].
+
+    Zeroing matters: padding slots are read (then masked), and masked garbage NaNs would poison the output.
+    """
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype or model.dtype
+    return [(torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
+            for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    """Executes scheduled steps on one device.
+
+    Args:
+        model: the decoder.
+        kv_caches: per-layer caches from :func:`allocate_kv_cache`.
+        block_size: tokens per KV block.
+        sampler: the batched sampler.
+        seed: seeds the generators of requests that carry no seed of their own.
+    """
+
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 sampler: Sampler, seed: int = 0) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = model.device
+        self._rng = random.Random(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        req = s.request
+        if req.sampling_params.is_greedy:
+            return None
+        g = self.generators.get(req.request_id)
+        if g is None:
+            seed = req.sampling_params.seed
+            g = torch.Generator().manual_seed(seed if seed is not None else self._rng.getrandbits(63))
+            self.generators[req.request_id] = g
+        return g
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)
+
+    def build_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      AttentionMetadata, list[int]]:
+        """Flatten ``scheduled`` (decodes first, then prefill chunks, as ordered by the caller).
+
+        Returns:
+            (input_ids [T] int64, positions [T] int64, attention metadata, logits indices [N]: the flattened index
+            of the last token of each request that samples, in ``scheduled`` order).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        for s in scheduled:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            q_start = len(ids)
+            ids += s.request.token_at(start, start + n)
+            table = s.block_ids
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                if meta.prefills:
+                    raise ValueError("decodes must come before prefill chunks")
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                chunk = PrefillChunk(q_start, n, start, self._tensor(table))
+                if start:
+                    q_pos = torch.arange(start, start + n, device=self.device)
+                    k_pos = torch.arange(start + n, device=self.device)
+                    chunk.mask = k_pos[None, :] <= q_pos[:, None]  # [n, start + n]
+                meta.prefills.append(chunk)
+            if s.samples:
+                logits_idx.append(len(ids) - 1)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.num_decodes = len(decode_tables)
+            meta.decode_block_table = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            k_pos = torch.arange(width * bs, device=self.device)
+            meta.decode_mask = (k_pos[None, :] < self._tensor(decode_lens)[:, None]).view(len(decode_lens), 1, 1, -1)
+        meta.slot_mapping = self._tensor(slots)
+        return self._tensor(ids), self._tensor(pos), meta, logits_idx
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over all scheduled tokens, then sample where a request reached its end."""
+        for rid in out.finished_req_ids:
+            self.generators.pop(rid, None)
+        result = ModelRunnerOutput()
+        if not out.scheduled:
+            return result
+        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta, logits_idx = self.build_inputs(scheduled)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        sampling = [s for s in scheduled if s.samples]
+        if not sampling:
+            return result
+        logits = self.model.compute_logits(hidden[self._tensor(logits_idx)])  # [N, vocab] float32
+        states = [SamplingState(s.request.sampling_params, s.request.prompt_token_ids,
+                                s.request.output_token_ids, self._generator(s)) for s in sampling]
+        sampler_out = self.sampler(logits, states)
+        for s, token, lp in zip(sampling, sampler_out.token_ids, sampler_out.logprobs, strict=True):
+            result.sampled[s.request.request_id] = token
+            if lp is not None:
+                result.logprobs[s.request.request_id] = lp
+        return result

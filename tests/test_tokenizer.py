@@ -1,0 +1,132 @@
+"""Our tokenizer on the default model vs transformers' tokenizer built from the same GGUF file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from leanserve.errors import InvalidParameterError, ModelLoadError
+from leanserve.loader import default_model_path
+from leanserve.loader.gguf_tensors import open_gguf
+from leanserve.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "def f(x):\n\tif x:\n        return  x  # indented\n\treturn None\n",
+    "12345.678 + 3.14159 = 1,000,000 and 2024-05-01",
+    "你好，世界",
+    "👍🏽 emoji 🎉 and ZWJ 👨‍👩‍👧",
+    "a  b   c\n\n\nd \n  e\t\tf",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    " leading space",
+    "trailing spaces   ",
+    "I'm sure they're fine, we'll see; it'd be OK.",
+    "Ünïcödé çäşé — “curly quotes” … ©",
+    "x = [1,2,3]; y = {'a': 1}  # dict\n",
+    "<|endoftext|>after<repo_name>name",
+    "URL: https://example.com/path?q=1&r=2",
+    "   ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    return Tokenizer.from_gguf(open_gguf(default_model_path()))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(ours, ref, text):
+    ids = ours.encode(text)
+    assert ids == ref.encode(text)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_special_tokens_are_single_ids(ours):
+    assert ours.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
+    assert ours.encode("<|im_start|>user\nhi<|im_end|>")[-1] == 2
+    assert ours.is_special(1) and ours.is_special(2) and ours.is_special(0) and not ours.is_special(4093)
+    assert ours.decode([1, 4093, 2]) == "user"
+
+
+def test_metadata(ours):
+    assert ours.vocab_size == 49152
+    assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos) == (1, 2, False)
+    assert 2 in ours.stop_token_ids and ours.eos_token_id in ours.stop_token_ids
+    assert ours.stop_token_ids == {0, 2}  # <|endoftext|> and <|im_end|>
+    assert ours.encode("hi", add_special_tokens=True) == ours.encode("hi", add_special_tokens=False)
+    assert ours.chat_template.startswith("{% for message in messages %}")
+
+
+def test_chat_template_matches_transformers(ours, ref):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+    assert expected.endswith("<|im_start|>assistant\n")
+    no_prompt = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == no_prompt
+    # Default system prompt of the template when none is given; content as a list of text parts.
+    text_parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    parts = [{"role": "user", "content": text_parts}]
+    plain = [{"role": "user", "content": "Hi there"}]
+    assert ours.apply_chat_template(parts) == ref.apply_chat_template(plain, tokenize=False,
+                                                                      add_generation_prompt=True)
+
+
+def test_chat_template_errors(ours):
+    with pytest.raises(InvalidParameterError) as info:
+        ours.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    assert info.value.param == "messages"
+    common = dict(kind="byte_level", vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                  stop_token_ids=frozenset({2}), add_bos=False, special_ids=frozenset({0, 1, 2}))
+    no_template = Tokenizer(ours._backend, chat_template=None, **common)
+    with pytest.raises(InvalidParameterError, match="no chat template"):
+        no_template.apply_chat_template([{"role": "user", "content": "hi"}])
+    raising = Tokenizer(ours._backend, chat_template="{{ raise_exception('roles must alternate') }}",
+                        **common)
+    with pytest.raises(InvalidParameterError, match="roles must alternate"):
+        raising.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ModelLoadError, match="chat template"):
+        Tokenizer(ours._backend, chat_template="{% for m in %}", **common)  # broken: fails at load
+
+
+def test_token_bytes(ours, ref):
+    ids = ours.encode("你好")
+    assert b"".join(ours.token_bytes(i) for i in ids) == "你好".encode()
+    # Each character is split across two tokens: "你" = E4 BD A0 -> [E4 BD] [A0].
+    assert [ours.token_bytes(i) for i in ids] == [b"\xe4\xbd", b"\xa0", b"\xe5\xa5", b"\xbd"]
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode(), text
+    assert ours.token_bytes(1) == b"<|im_start|>"
+    assert ours.token_bytes(216) == b" "  # "Ġ"
+    with pytest.raises(IndexError):
+        ours.token_bytes(49152)
+
+
+def test_from_dir_of_saved_transformers_tokenizer(ours, ref, tmp_path):
+    ref.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_dir(tmp_path)
+    for text in TEXTS:
+        assert loaded.encode(text) == ours.encode(text), text
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.add_bos) == (1, 2, False)
+    assert loaded.vocab_size == 49152 and loaded.stop_token_ids == {0, 2}
+    assert loaded.chat_template == ours.chat_template
+    ids = ours.encode("你好 <|im_end|>")
+    assert [loaded.token_bytes(i) for i in ids] == [ours.token_bytes(i) for i in ids]
+    assert loaded.decode(ids) == ours.decode(ids) and loaded.is_special(2) and not loaded.is_special(4093)
