@@ -12,9 +12,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
-from benchmarks.common import write_json
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
 from leanserve.loader import load_model
@@ -22,6 +19,10 @@ from leanserve.model.attention import paged_attention
 from leanserve.model.llama import LlamaModel
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
+
+import torch
+
+from benchmarks.common import write_json
 
 BLOCK = 16
 

@@ -13,10 +13,10 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from leanserve import LLM, SamplingParams
 from leanserve.loader import load_model
+
+import torch
 
 TEXT = ("The river wound through the valley, past fields of barley and old stone walls. In the evening the "
         "fishermen pulled their boats onto the gravel and talked about the weather and the new bridge. ")

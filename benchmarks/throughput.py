@@ -18,12 +18,13 @@ import concurrent.futures as cf
 import time
 from pathlib import Path
 
+from leanserve import LLM, SamplingParams
+from leanserve.loader import load_model
+
 import httpx
 import torch
 
 from benchmarks.common import BenchRequest, LlamaServer, find_llama_server, make_workload, write_json
-from leanserve import LLM, SamplingParams
-from leanserve.loader import load_model
 
 WORKLOADS = {"mixed": (128, (50, 1000), (20, 500)), "kb": (64, (1500, 2500), (100, 200))}
 

@@ -6,7 +6,16 @@ The public names are imported lazily, so ``import leanserve.core`` does not pull
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
+
+# fp32 matrix products on CPU run through NumPy's BLAS (see leanserve.model.llama.linear). Its threads and
+# torch's OpenMP threads take turns on the same cores; with OpenMP's default spin-waiting each hand-over stalls
+# (decode ran 3 tok/s instead of 28 here). Passive waiting must be chosen before torch loads OpenMP, so it is
+# set here when leanserve is imported first; otherwise the torch kernels are used.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import leanserve  # noqa: F401  (first, so that it picks OpenMP's wait policy before torch loads)
+
 import pytest
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,9 +1,9 @@
 """SamplingParams: defaults, normalization and the InvalidParameterError of every bad value."""
 
-import pytest
-
 from leanserve.errors import InvalidParameterError
 from leanserve.sampling_params import SamplingParams
+
+import pytest
 
 
 def test_defaults_match_vllm():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from leanserve.errors import InvalidParameterError, ModelLoadError
 from leanserve.loader import default_model_path
 from leanserve.loader.gguf_tensors import open_gguf
 from leanserve.tokenizer import Tokenizer
+
+import pytest
 
 TEXTS = [
     "Hello, world! How are you today?",

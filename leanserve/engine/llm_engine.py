@@ -10,8 +10,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
 from leanserve.config import EngineConfig
 from leanserve.core.kv_cache_manager import KVCacheManager
 from leanserve.core.request import Request, RequestStatus
@@ -24,6 +22,8 @@ from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
+
+import torch
 
 logger = logging.getLogger(__name__)
 

@@ -6,14 +6,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from leanserve.config import EngineConfig
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.errors import InvalidParameterError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
+
+from tqdm.auto import tqdm
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 Message = dict[str, Any]

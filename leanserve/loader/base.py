@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.tokenizer import Tokenizer
+
+import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

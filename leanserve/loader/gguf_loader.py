@@ -6,15 +6,15 @@ import math
 import re
 from typing import Any
 
-import gguf
-import numpy as np
-import torch
-
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import SUPPORTED_ARCHITECTURES, check_weights
 from leanserve.loader.gguf_tensors import check_tensor_types, dequantize_tensor, field, open_gguf
 from leanserve.tokenizer import Tokenizer
+
+import gguf
+import numpy as np
+import torch
 
 # GGUF tensor name -> HF name. Per-block names are matched on the part after ``blk.{i}.``.
 _GLOBAL_NAMES = {

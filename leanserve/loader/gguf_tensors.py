@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from leanserve.errors import ModelLoadError, UnsupportedTensorTypeError
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-
-from leanserve.errors import ModelLoadError, UnsupportedTensorTypeError
 
 # The tensor types leanserve dequantizes (all through gguf-py's reference numpy code).
 SUPPORTED_TYPES: frozenset[QT] = frozenset(

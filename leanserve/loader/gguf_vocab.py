@@ -9,11 +9,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from leanserve.errors import ModelLoadError
+
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
-
-from leanserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

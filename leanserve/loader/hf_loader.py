@@ -6,13 +6,13 @@ import json
 import os
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import check_weights
 from leanserve.tokenizer import Tokenizer
+
+import torch
+from safetensors import safe_open
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from leanserve.errors import ModelLoadError
+
+import torch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:

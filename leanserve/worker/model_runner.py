@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import torch
-
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from leanserve.model.attention import AttentionMetadata, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
+
+import torch
 
 
 @dataclass

@@ -25,9 +25,9 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from leanserve.sampling_params import SamplingParams
+
+import torch
 
 _WIDTHS = (64, 512, 4096)  # candidate widths tried for top-k/top-p/min-p before the whole vocab
 _BLOCK = 1024  # largest block of the two-level argmax, topk and inverse CDF

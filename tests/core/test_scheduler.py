@@ -1,12 +1,12 @@
 """Scheduler policy on fake model outputs: budgets, chunking, preemption, fail-fast, no head-of-line blocking."""
 
-import pytest
-
 from leanserve.core.kv_cache_manager import KVCacheManager
 from leanserve.core.request import Request, RequestStatus
 from leanserve.core.scheduler import Scheduler
 from leanserve.errors import KVCapacityError
 from leanserve.sampling_params import SamplingParams
+
+import pytest
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, **kw) -> Request:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from leanserve import LLM, SamplingParams
 from leanserve.errors import KVCapacityError
+
+import pytest
+
 from tests.conftest import assert_no_leaks
 
 PROMPTS = [

@@ -3,10 +3,10 @@
 import importlib.util
 import random
 
-import pytest
-
 from leanserve.engine.detokenizer import IncrementalDetokenizer
 from leanserve.sampling_params import SamplingParams
+
+import pytest
 
 TEXTS = {
     "english": "Hello world! The quick brown fox jumps over the lazy dog, twice.",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from leanserve import SamplingParams
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError
+
+import pytest
 
 CHAT = [{"role": "user", "content": "Tell me a short story about a cat."}]
 

@@ -9,9 +9,9 @@ below 1e-3 the comparison stops there; at least 6 of the 8 prompts must match fo
 
 from __future__ import annotations
 
-import torch
-
 from leanserve import SamplingParams
+
+import torch
 
 STEPS = 48
 CHAT_PROMPTS = [

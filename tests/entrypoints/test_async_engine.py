@@ -8,13 +8,13 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
-
 from leanserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.errors import InvalidParameterError
 from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leanserve.sampling_params import SamplingParams
+
+import pytest
 
 
 class FakeEngine:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.entrypoints.openai.metrics import ServerMetrics, build_1_2_5_buckets, summarize
 from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+from prometheus_client.parser import text_string_to_metric_families
 
 STATS = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_blocks=8, num_free_blocks=6,
                     prefix_cache_queries=100, prefix_cache_hits=32, num_preemptions=3)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-import pytest
-import torch
-
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.loader import LoadedModel, default_model_path
+
+import pytest
+import torch
 
 # `loaded` (leanserve.loader.load_model(None)) and `hf_model` (transformers from the same GGUF) are the
 # session fixtures of tests/conftest.py, shared with the rest of the suite so each loads once.

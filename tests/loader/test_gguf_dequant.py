@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from leanserve.errors import UnsupportedTensorTypeError
+from leanserve.loader import gguf_tensors
+from leanserve.loader.gguf_tensors import SUPPORTED_TYPES, open_gguf, read_gguf_tensors
+
 import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf_helpers import random_blocks
-
-from leanserve.errors import UnsupportedTensorTypeError
-from leanserve.loader import gguf_tensors
-from leanserve.loader.gguf_tensors import SUPPORTED_TYPES, open_gguf, read_gguf_tensors
 
 QUANTIZABLE = (QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)  # gguf-py can quantize these
 K_QUANTS = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)  # random blocks instead

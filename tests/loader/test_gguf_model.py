@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import math
 
+from leanserve.errors import ModelLoadError, UnsupportedTensorTypeError
+from leanserve.loader import load_model
+from leanserve.loader.gguf_loader import gguf_model_config, unpermute_qk
+from leanserve.loader.gguf_tensors import open_gguf
+
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_helpers import gpt2_vocab, random_blocks
-
-from leanserve.errors import ModelLoadError, UnsupportedTensorTypeError
-from leanserve.loader import load_model
-from leanserve.loader.gguf_loader import gguf_model_config, unpermute_qk
-from leanserve.loader.gguf_tensors import open_gguf
 
 L, H, INTER, NH, NKV, HD = 2, 64, 96, 4, 2, 16
 GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from leanserve.errors import ModelLoadError
+from leanserve.loader.gguf_tensors import open_gguf
+from leanserve.tokenizer import Tokenizer
+
 import gguf
 import numpy as np
 import pytest
 from gguf_helpers import gpt2_vocab, write_gguf_file
-
-from leanserve.errors import ModelLoadError
-from leanserve.loader.gguf_tensors import open_gguf
-from leanserve.tokenizer import Tokenizer
 
 
 def _vocab_meta(pre: str | None, model: str = "gpt2") -> dict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
-
 from leanserve.errors import ModelLoadError
 from leanserve.loader import default_model_path, load_model
+
+import pytest
+import torch
 
 SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)

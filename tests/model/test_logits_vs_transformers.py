@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from leanserve.core.kv_cache_manager import cdiv
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
 from leanserve.model.llama import LlamaModel
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
+
+import pytest
+import torch
 
 BLOCK = 16
 PARAGRAPH = ("The river wound through the valley, past fields of barley and old stone walls. In the evening the "

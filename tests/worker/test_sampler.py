@@ -2,9 +2,6 @@
 
 import math
 
-import pytest
-import torch
-
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.sampler import (
     Sampler,
@@ -16,6 +13,9 @@ from leanserve.worker.sampler import (
     _topk,
     _truncate,
 )
+
+import pytest
+import torch
 
 EOS = 2
 

@@ -18,13 +18,6 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-import uvicorn
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from leanserve.engine.async_engine import AsyncEngine
 from leanserve.entrypoints.openai.metrics import ServerMetrics
 from leanserve.entrypoints.openai.protocol import (
@@ -48,6 +41,13 @@ from leanserve.entrypoints.openai.serving_common import (
 )
 from leanserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from leanserve.errors import InvalidParameterError
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

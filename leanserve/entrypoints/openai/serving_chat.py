@@ -13,9 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-
 from leanserve.engine.async_engine import AsyncEngine
 from leanserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -52,6 +49,9 @@ from leanserve.entrypoints.openai.serving_common import (
 from leanserve.errors import InvalidParameterError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 _PARAM_NAMES = {"logprobs": "top_logprobs"}
 

@@ -11,10 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ValidationError
-
 from leanserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from leanserve.entrypoints.openai.metrics import summarize
 from leanserve.entrypoints.openai.protocol import (
@@ -28,6 +24,10 @@ from leanserve.entrypoints.openai.protocol import (
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
 from leanserve.sampling_params import SamplingParams
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 ARRIVAL_KEY = "leanserve.arrival_time"  # ASGI scope key set by the arrival-time middleware (time.monotonic)
 M = TypeVar("M", bound=BaseModel)

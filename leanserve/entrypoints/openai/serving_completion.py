@@ -11,9 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-
 from leanserve.engine.async_engine import AsyncEngine
 from leanserve.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -44,6 +41,9 @@ from leanserve.entrypoints.openai.serving_common import (
 )
 from leanserve.errors import InvalidParameterError
 from leanserve.outputs import Logprob, RequestOutput
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 
 class OpenAIServingCompletion:
