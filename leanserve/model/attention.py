@@ -6,9 +6,10 @@ used through a strided view, without a second copy. Tokens of a
 step are flattened: the first ``num_decodes`` tokens are decodes (one new token per sequence), the rest are
 prefill chunks, one contiguous run of tokens per sequence.
 
-* Decodes run as one batched ``scaled_dot_product_attention`` call: each sequence's blocks are gathered through
-  its block table into ``[num_decodes, kv_heads, max_len, head_dim]`` and padding keys are masked out. The query
-  heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
+* Decodes run as batched ``scaled_dot_product_attention`` calls, one per group of sequences of similar length
+  (the runner sorts decodes by length and groups them so padding stays small): each sequence's blocks are gathered
+  through its block table into ``[group, kv_heads, max_len, head_dim]`` and padding keys are masked out. The
+  query heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
   prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
 """
@@ -33,13 +34,21 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive single-token decodes of similar length, attended in one batched call."""
+
+    start: int  # index of the group's first token in the flattened batch
+    count: int  # sequences (= tokens) in the group
+    block_table: torch.Tensor  # [count, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a layer needs to write and read the paged KV cache for one step (shared by all layers)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
-    num_decodes: int = 0  # leading tokens that are single-token decodes
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # the leading decode tokens, in groups
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -78,14 +87,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     out = torch.empty_like(q)
-    d = meta.num_decodes
-    if d:
-        group = num_heads // kv_heads
-        qd = q[:d].view(d, kv_heads, group, head_dim)  # GQA group as that KV head's queries
-        kd = _gather(k_cache, meta.decode_block_table)  # [d, kv_heads, max_len, head_dim]
-        vd = _gather(v_cache, meta.decode_block_table)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        out[:d] = od.reshape(d, num_heads, head_dim)
+    gqa = num_heads // kv_heads
+    for g in meta.decode_groups:
+        sl = slice(g.start, g.start + g.count)
+        qd = q[sl].view(g.count, kv_heads, gqa, head_dim)  # GQA group as that KV head's queries
+        kd = _gather(k_cache, g.block_table)  # [count, kv_heads, max_len, head_dim]
+        vd = _gather(v_cache, g.block_table)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+        out[sl] = od.reshape(g.count, num_heads, head_dim)
     for p in meta.prefills:
         sl = slice(p.query_start, p.query_start + p.query_len)
         qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]

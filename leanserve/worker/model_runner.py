@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from leanserve.model.attention import AttentionMetadata, PrefillChunk
+from leanserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
 
@@ -37,6 +37,28 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int,
     dtype = dtype or model.dtype
     return [(torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
             for _ in range(cfg.num_layers)]
+
+
+def decode_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
+    """Split decodes, already sorted by length, into runs whose padded length stays within ``slack`` x the
+    shortest member's (plus one block), so the padded attention reads little more than the real KV.
+
+    Args:
+        seq_lens: tokens in each sequence (ascending). block_size: tokens per block.
+
+    Returns:
+        Lists of consecutive indices into ``seq_lens``.
+    """
+    groups: list[list[int]] = []
+    first_blocks = 0
+    for i, n in enumerate(seq_lens):
+        blocks = -(-n // block_size)
+        if groups and blocks <= first_blocks * slack + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            first_blocks = blocks
+    return groups
 
 
 class ModelRunner:
@@ -112,12 +134,16 @@ class ModelRunner:
                 meta.prefills.append(chunk)
             if s.samples:
                 logits_idx.append(len(ids) - 1)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.num_decodes = len(decode_tables)
-            meta.decode_block_table = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+        start = 0
+        for group in decode_groups(decode_lens, bs):
+            tables = [decode_tables[i] for i in group]
+            width = max(len(t) for t in tables)
             k_pos = torch.arange(width * bs, device=self.device)
-            meta.decode_mask = (k_pos[None, :] < self._tensor(decode_lens)[:, None]).view(len(decode_lens), 1, 1, -1)
+            lens = self._tensor([decode_lens[i] for i in group])
+            meta.decode_groups.append(DecodeGroup(
+                start, len(group), self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                (k_pos[None, :] < lens[:, None]).view(len(group), 1, 1, -1)))
+            start += len(group)
         meta.slot_mapping = self._tensor(slots)
         return self._tensor(ids), self._tensor(pos), meta, logits_idx
 
@@ -129,7 +155,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        # decodes first, shortest context first (for length groups), then prefill chunks
+        scheduled = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
         input_ids, positions, meta, logits_idx = self.build_inputs(scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in scheduled if s.samples]
