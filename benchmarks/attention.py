@@ -37,11 +37,11 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(model: LlamaModel, batch: int, context: int, repeats: int) -> dict:
+def measure(model: LlamaModel, batch: int, context: int, repeats: int, native: bool) -> dict:
     cfg = model.config
     blocks_per_seq = context // BLOCK + 1
     kv = allocate_kv_cache(model, batch * blocks_per_seq, BLOCK)
-    runner = ModelRunner(model, kv, BLOCK, sampler=None)
+    runner = ModelRunner(model, kv, BLOCK, sampler=None, use_native_kernels=native)
     scheduled = []
     for b in range(batch):  # sequences whose first `context` tokens are cached; decode token number context+1
         req = Request(str(b), [1] * (context + 1), SamplingParams(max_tokens=1), 1)
@@ -64,7 +64,8 @@ def measure(model: LlamaModel, batch: int, context: int, repeats: int) -> dict:
 
     t_step = median_time(step, repeats)
     t_attn = median_time(attention, repeats)
-    return {"batch": batch, "context": context, "step_ms": 1e3 * t_step, "attention_ms": 1e3 * t_attn,
+    return {"kernel": "native" if runner.decode_kernel else "torch", "batch": batch, "context": context,
+            "step_ms": 1e3 * t_step, "attention_ms": 1e3 * t_attn,
             "attention_share": t_attn / t_step}
 
 
@@ -77,12 +78,12 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights)
-    rows = [measure(model, int(b), int(c), args.repeats)
-            for b in args.batches.split(",") for c in args.contexts.split(",")]
+    rows = [measure(model, int(b), int(c), args.repeats, native)
+            for native in (True, False) for b in args.batches.split(",") for c in args.contexts.split(",")]
     print(f"\nPaged attention's share of a decode step (fp32, {torch.get_num_threads()} threads)")
-    print(f"{'batch':>6}{'context':>9}{'step ms':>10}{'attention ms':>14}{'share':>8}")
+    print(f"{'kernel':>8}{'batch':>6}{'context':>9}{'step ms':>10}{'attention ms':>14}{'share':>8}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.1f}{r['attention_ms']:>14.1f}"
+        print(f"{r['kernel']:>8}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.1f}{r['attention_ms']:>14.1f}"
               f"{100 * r['attention_share']:>7.0f}%")
     write_json(args.out, {"rows": rows})
 

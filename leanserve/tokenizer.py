@@ -158,7 +158,17 @@ class Tokenizer:
     # ---------------------------------------------------------------------------------------------- encoding
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special-token text (e.g. ``<|im_start|>``) encodes to its single id.
-        BOS is prepended only when ``add_bos`` and ``add_special_tokens``."""
+        BOS is prepended only when ``add_bos`` and ``add_special_tokens``.
+
+        Raises:
+            InvalidParameterError: ``text`` is not a string or not valid Unicode (e.g. a lone surrogate).
+        """
+        if not isinstance(text, str):
+            raise InvalidParameterError("prompt", f"text to tokenize must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidParameterError("prompt", f"the text is not valid Unicode: {e.reason} at {e.start}") from None
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]

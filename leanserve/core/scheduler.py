@@ -153,7 +153,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            others = len(self.running) + len(self.waiting) - 1
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, others)
             while not self.kv.allocate_slots(req, num_new):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
                              key=lambda r: r.admitted_seq)
@@ -178,7 +179,7 @@ class Scheduler:
             if self._is_long(remaining) and num_long >= self.max_long_partial_prefills:
                 skipped.append(req)  # another long prompt is prefilling: let shorter requests pass
                 continue
-            num_new = self._chunk(remaining, budget)
+            num_new = self._chunk(remaining, budget, len(self.running) + len(self.waiting) + len(skipped))
             if not self.kv.allocate_slots(req, num_new, hits):
                 skipped.append(req)
                 continue
@@ -202,10 +203,11 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         return threshold is not None and remaining > threshold
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens to compute now for a request with ``remaining`` uncomputed tokens."""
+    def _chunk(self, remaining: int, budget: int, others: int) -> int:
+        """Tokens to compute now for a request with ``remaining`` uncomputed tokens while ``others`` other requests
+        are running or waiting."""
         n = min(remaining, budget)
-        if self._is_long(n) and len(self.running) + len(self.waiting) > 1:
+        if self._is_long(n) and others > 0:
             n = self.long_prefill_token_threshold
         return n
 
@@ -240,6 +242,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH  # a hard limit, even before min_tokens
         if len(req.output_token_ids) < params.min_tokens:
             return None
         if not params.ignore_eos and token in req.eos_token_ids:
@@ -247,7 +251,7 @@ class Scheduler:
         if token in params.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -160,7 +160,12 @@ class LLMEngine:
         if num_prompt_tokens >= capacity:
             raise KVCapacityError(f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
                                   f"{capacity} tokens; raise kv_cache_memory")
-        return min(limit, capacity) - num_prompt_tokens
+        max_tokens = min(limit, capacity) - num_prompt_tokens
+        if params.min_tokens > max_tokens:
+            raise InvalidParameterError(
+                "min_tokens", f"min_tokens={params.min_tokens} does not fit: the prompt has {num_prompt_tokens} "
+                f"tokens and at most {max_tokens} more fit in the context ({limit}) and the KV cache ({capacity})")
+        return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:

@@ -10,12 +10,15 @@ prefill chunks, one contiguous run of tokens per sequence.
   (the runner sorts decodes by length and groups them so padding stays small): each sequence's blocks are gathered
   through its block table into ``[group, kv_heads, max_len, head_dim]`` and padding keys are masked out. The
   query heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
+* With the native kernel (``leanserve/kernels/paged_attention.cpp``, float32 on CPU) all decodes are one call that
+  reads each sequence's blocks in place, with no gather and no padding.
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
   prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,8 @@ class DecodeGroup:
     start: int  # index of the group's first token in the flattened batch
     count: int  # sequences (= tokens) in the group
     block_table: torch.Tensor  # [count, max_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size] bool, True = attend
+    seq_lens: torch.Tensor  # [count] int64: tokens each sequence attends to (the new one included)
+    mask: torch.Tensor | None  # [count, 1, 1, max_blocks * block_size] bool, True = attend (torch path only)
 
 
 @dataclass
@@ -50,6 +54,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the leading decode tokens, in groups
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # native paged decode kernel (leanserve.kernels), reading the cache in place; None: the torch path
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,6 +96,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = num_heads // kv_heads
     for g in meta.decode_groups:
         sl = slice(g.start, g.start + g.count)
+        if meta.decode_kernel is not None:
+            out[sl] = meta.decode_kernel(q[sl].contiguous(), k_cache, v_cache, g.block_table, g.seq_lens,
+                                         head_dim ** -0.5)
+            continue
         qd = q[sl].view(g.count, kv_heads, gqa, head_dim)  # GQA group as that KV head's queries
         kd = _gather(k_cache, g.block_table)  # [count, kv_heads, max_len, head_dim]
         vd = _gather(v_cache, g.block_table)

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from leanserve.kernels import paged_attention_ext
 from leanserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
@@ -70,10 +71,12 @@ class ModelRunner:
         block_size: tokens per KV block.
         sampler: the batched sampler.
         seed: seeds the generators of requests that carry no seed of their own.
+        use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels); off
+            by default until its rows are bitwise batch-invariant with seeded sampling (a seeded test diverged).
     """
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 sampler: Sampler, seed: int = 0) -> None:
+                 sampler: Sampler, seed: int = 0, use_native_kernels: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -81,6 +84,12 @@ class ModelRunner:
         self.device = model.device
         self._rng = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_kernel = None  # native paged decode attention, used for fp32 caches on CPU
+        k_cache = kv_caches[0][0] if kv_caches else None
+        if use_native_kernels and k_cache is not None and k_cache.device.type == "cpu" \
+                and k_cache.dtype == torch.float32:
+            ext = paged_attention_ext()
+            self.decode_kernel = ext.paged_decode_attention if ext is not None else None
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         req = s.request
@@ -134,15 +143,21 @@ class ModelRunner:
                 meta.prefills.append(chunk)
             if s.samples:
                 logits_idx.append(len(ids) - 1)
+        meta.decode_kernel = self.decode_kernel
+        groups = [list(range(len(decode_lens)))] if self.decode_kernel else decode_groups(decode_lens, bs)
         start = 0
-        for group in decode_groups(decode_lens, bs):
+        for group in groups:
+            if not group:
+                continue
             tables = [decode_tables[i] for i in group]
             width = max(len(t) for t in tables)
-            k_pos = torch.arange(width * bs, device=self.device)
             lens = self._tensor([decode_lens[i] for i in group])
-            meta.decode_groups.append(DecodeGroup(
-                start, len(group), self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                (k_pos[None, :] < lens[:, None]).view(len(group), 1, 1, -1)))
+            mask = None
+            if self.decode_kernel is None:
+                k_pos = torch.arange(width * bs, device=self.device)
+                mask = (k_pos[None, :] < lens[:, None]).view(len(group), 1, 1, -1)
+            table = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.decode_groups.append(DecodeGroup(start, len(group), table, lens, mask))
             start += len(group)
         meta.slot_mapping = self._tensor(slots)
         return self._tensor(ids), self._tensor(pos), meta, logits_idx

@@ -130,3 +130,14 @@ def test_lone_long_prompt_uses_the_whole_budget():
     s.add_request(req("long", 300))
     out, _ = run_step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 300)]
+
+
+def test_long_prompt_is_chunked_beside_a_single_running_request():
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=2000,
+                  long_prefill_token_threshold=64)
+    s.add_request(req("short", 5, max_tokens=50))
+    run_step(s)
+    s.add_request(req("long", 300))
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("short", 1), ("long", 64)]

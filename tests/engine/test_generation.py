@@ -143,3 +143,18 @@ def test_abort_frees_blocks_and_reports_abort_once(llm):
     assert out.finish_reason == "abort" and out.delta_token_ids == []  # no token repeated
     assert out.text == "".join(o.outputs[0].delta_text for o in seen) + out.delta_text
     assert not engine.has_unfinished_requests()
+
+
+def test_min_tokens_beyond_the_context_is_rejected(llm):
+    tok = llm.get_tokenizer()
+    room = min(llm.engine.max_model_len, llm.engine.kv.num_tokens_capacity())
+    near = {"prompt_token_ids": [tok.encode("hello")[0]] * (room - 20)}
+    with pytest.raises(InvalidParameterError) as e:
+        llm.generate(near, SamplingParams(max_tokens=None, min_tokens=100), use_tqdm=False)
+    assert e.value.param == "min_tokens"
+
+
+def test_invalid_unicode_prompt_is_a_typed_error(llm):
+    with pytest.raises(InvalidParameterError) as e:
+        llm.generate("\ud800 hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert e.value.param == "prompt"

@@ -43,9 +43,10 @@ def reference(hf_model, prompts):
 class Stepper:
     """Runs hand-made steps through ModelRunner.build_inputs and the model."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int = 64) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int = 64, native: bool = False) -> None:
         self.model = model
-        self.runner = ModelRunner(model, allocate_kv_cache(model, num_blocks, BLOCK), BLOCK, sampler=None)
+        self.runner = ModelRunner(model, allocate_kv_cache(model, num_blocks, BLOCK), BLOCK, sampler=None,
+                                  use_native_kernels=native)
         self.next_block = 0
         self.tables: dict[str, list[int]] = {}
 
@@ -90,10 +91,12 @@ def test_one_forward_mixing_all_prompts(model, prompts, reference):
         assert_close(out[str(i)], reference[i])
 
 
-def test_mixed_decode_chunked_and_fresh_prefill(model, prompts, reference):
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-path"])
+def test_mixed_decode_chunked_and_fresh_prefill(model, prompts, reference, native):
     """Step 1 prefills prompt 0 minus its last token and the first half of prompt 3; step 2 mixes the decode of
     prompt 0, the second chunk of prompt 3 (attending to cached context) and fresh prefills of prompts 1, 2."""
-    s = Stepper(model)
+    s = Stepper(model, native=native)
+    assert (s.runner.decode_kernel is not None) == native
     r0, r1, r2, r3 = (make_req(str(i), p) for i, p in enumerate(prompts))
     half = 137
     s.step([(r0, r0.num_tokens - 1), (r3, half)])

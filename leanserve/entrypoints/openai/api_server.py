@@ -190,7 +190,7 @@ def _banner(host: str, port: int, model: str, max_model_len: int, api_key: str |
     url = f"http://{shown}:{port}"
     body = shlex.quote(f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
                        f'"max_tokens": 32}}')
-    auth = " -H 'Authorization: Bearer $LEANSERVE_API_KEY'" if api_key else ""
+    auth = " -H 'Authorization: Bearer YOUR_API_KEY'" if api_key else ""  # the key given with --api-key
     return (f"leanserve: serving {model} (max_model_len {max_model_len}) on {url}  (OpenAI API under {url}/v1, "
             f"metrics at {url}/metrics; Ctrl-C to stop)\n"
             f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d {body}")
