@@ -31,9 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="chunk size for long prompts while others run (default: 256 on CPU, 2048 on CUDA; 0 = off)")
+                   help="tokens per step for long prompts (default: 256 on CPU, 2048 on CUDA; 0 = off)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that carry none")
+    g.add_argument("--no-native-kernels", dest="use_native_kernels", action="store_false",
+                   help="use the torch attention path instead of the compiled CPU kernel")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise batch-invariant logits (seeded output independent of the batch; slower decode)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +46,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed)
+                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed,
+                        use_native_kernels=args.use_native_kernels, batch_invariant=args.batch_invariant)
 
 
 def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,

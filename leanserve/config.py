@@ -49,8 +49,13 @@ class EngineConfig:
     max_num_batched_tokens: int | None = 2048  # token budget of one step; None = unlimited
     max_model_len: int | None = None  # context limit in tokens; None = the model's
     enable_prefix_caching: bool = True
-    # Prompts longer than this (tokens) advance at most this much per step while other requests are present, and
+    # Prompts longer than this (tokens) advance at most this much per step (even alone), and
     # only one such prompt prefills at a time. None = auto (256 on CPU, 2048 on CUDA); 0 = no limit.
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0  # seed of the engine's generator for unseeded sampling
+    # Compiled CPU kernels (leanserve.kernels: paged decode attention), built on first use; False = torch path only.
+    use_native_kernels: bool = True
+    # Bitwise batch invariance: a request's logits do not depend on what else is in the batch, so seeded sampling
+    # gives the same text alone and in any batch. Costs single-stream decode speed (fp32 CPU only; see llama.py).
+    batch_invariant: bool = False

@@ -7,9 +7,10 @@ requests, whose prompts may be split into chunks across steps. Each request is s
 request is preempted: its blocks are freed and it is recomputed later (its output so far is kept).
 
 Long prompts do not stall the others (Sarathi-Serve, Agrawal et al., OSDI 2024; vLLM's partial-prefill knobs):
-while other requests are running or waiting, a prompt longer than ``long_prefill_token_threshold`` advances at
-most that many tokens per step, and at most ``max_long_partial_prefills`` such prompts are in prefill at once;
-a long prompt that must wait keeps its place but lets shorter requests behind it start.
+a prompt longer than ``long_prefill_token_threshold`` advances at most that many tokens per step, even when it is
+alone, so one step stays short (a request that arrives, or a client that disconnects, waits at most one chunk);
+at most ``max_long_partial_prefills`` such prompts are in prefill at once, and a long prompt that must wait keeps
+its place but lets shorter requests behind it start.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step (None: unlimited).
         max_model_len: longest sequence, prompt + output, in tokens.
         policy: "fcfs" (default) or "priority" (lower ``Request.priority`` first, then arrival).
-        long_prefill_token_threshold: prompts longer than this (tokens) are "long" and chunked to it while others
-            are present; None: no limit.
+        long_prefill_token_threshold: prompts longer than this (tokens) are "long" and advance at most this many
+            tokens per step; None: no limit.
         max_long_partial_prefills: long prompts allowed in prefill at the same time.
     """
 
@@ -153,8 +154,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            others = len(self.running) + len(self.waiting) - 1
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, others)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
                              key=lambda r: r.admitted_seq)
@@ -179,7 +179,7 @@ class Scheduler:
             if self._is_long(remaining) and num_long >= self.max_long_partial_prefills:
                 skipped.append(req)  # another long prompt is prefilling: let shorter requests pass
                 continue
-            num_new = self._chunk(remaining, budget, len(self.running) + len(self.waiting) + len(skipped))
+            num_new = self._chunk(remaining, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 skipped.append(req)
                 continue
@@ -203,13 +203,11 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         return threshold is not None and remaining > threshold
 
-    def _chunk(self, remaining: int, budget: int, others: int) -> int:
-        """Tokens to compute now for a request with ``remaining`` uncomputed tokens while ``others`` other requests
-        are running or waiting."""
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now for a request with ``remaining`` uncomputed tokens and ``budget`` left in the
+        step."""
         n = min(remaining, budget)
-        if self._is_long(n) and others > 0:
-            n = self.long_prefill_token_threshold
-        return n
+        return self.long_prefill_token_threshold if self._is_long(n) else n
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
         """Advance the scheduled requests by the step's results.

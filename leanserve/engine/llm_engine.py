@@ -84,8 +84,10 @@ class LLMEngine:
         if config.max_num_batched_tokens is not None and config.max_num_batched_tokens < 1:
             raise InvalidParameterError("max_num_batched_tokens", "max_num_batched_tokens must be >= 1")
         dtype = resolve_dtype(config.dtype)
+        if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
+            raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
         self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
-                                max_position=max(self.max_model_len, ctx))
+                                max_position=max(self.max_model_len, ctx), batch_invariant=config.batch_invariant)
         cfg = loaded.config
         elem = torch.empty(0, dtype=dtype).element_size()
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
@@ -106,7 +108,7 @@ class LLMEngine:
                                    policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None)
         kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
-                                  seed=config.seed)
+                                  seed=config.seed, use_native_kernels=config.use_native_kernels)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         self.load_time_s = loaded.load_time_s

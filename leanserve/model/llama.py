@@ -31,18 +31,30 @@ def numpy_blas_enabled() -> bool:
 _NUMPY_BLAS = numpy_blas_enabled()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+# Fewest rows given to BLAS gemm in batch-invariant mode. OpenBLAS computes a row of x @ w.T bitwise the same
+# for every M >= 3 (checked for this model's shapes up to M = 200: tests/model/test_batch_invariance.py), but gemv
+# (M = 1) and, for some shapes, gemm at M = 2 round differently; so smaller inputs are zero-padded to this.
+_INVARIANT_MIN_ROWS = 3
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, min_rows: int = 0) -> torch.Tensor:
     """``x @ w.T + b`` for x [T, in] and w [out, in], choosing the fast kernel for the dtype and T.
 
     On CPU, fp32 products go through NumPy's BLAS (OpenBLAS) when :func:`numpy_blas_enabled`: on this class of
     CPU it streams weights at ~19 GB/s in a matrix-vector product where torch's MKL path reaches ~11 GB/s, and it
     is as fast or faster for GEMMs (see benchmarks/decode.py). bf16 products with more than a few rows run in fp32
-    (no fast bf16 GEMM on CPU).
+    (no fast bf16 GEMM on CPU). ``min_rows`` > T zero-pads x to that many rows for a GEMM (batch-invariant mode
+    of the NumPy path: every row then goes through the same kernel whatever T is).
     """
     if x.device.type == "cpu":
         if _NUMPY_BLAS and w.dtype == torch.float32 and x.dtype == torch.float32:
             wn = w.numpy()
-            if x.shape[0] == 1:
+            t = x.shape[0]
+            if t < min_rows:
+                xp = torch.zeros(min_rows, x.shape[1])
+                xp[:t] = x
+                y = torch.from_numpy(xp.numpy() @ wn.T)[:t]  # BLAS gemm on padded rows
+            elif t == 1:
                 y = torch.from_numpy(wn @ x.numpy()[0]).unsqueeze(0)  # BLAS gemv
             else:
                 y = torch.from_numpy(x.numpy() @ wn.T)  # BLAS gemm
@@ -82,16 +94,26 @@ class LlamaModel:
         dtype: torch.float32 or torch.bfloat16.
         device: torch device.
         max_position: positions to precompute RoPE for (tokens).
+        batch_invariant: compute every token's row with the same kernels whatever the batch holds, so its logits
+            are bitwise independent of the batch (fp32 on CPU with NumPy's BLAS only; decode at batch 1-2 is
+            slower: GEMMs on zero-padded rows instead of gemv).
 
     Raises:
         KeyError: when a required weight is missing from ``weights``.
+        ValueError: ``batch_invariant`` with a dtype, device or BLAS path that cannot provide it.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_position: int | None = None) -> None:
+                 device: torch.device | str = "cpu", max_position: int | None = None,
+                 batch_invariant: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and (dtype != torch.float32 or self.device.type != "cpu" or not _NUMPY_BLAS):
+            raise ValueError("batch_invariant needs float32 on CPU with NumPy's BLAS (OMP_WAIT_POLICY=PASSIVE); "
+                             f"got {dtype} on {self.device.type}")
+        self._min_rows = _INVARIANT_MIN_ROWS if batch_invariant else 0
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -148,18 +170,18 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            qkv = linear(h, layer.qkv, layer.qkv_bias, self._min_rows)  # [T, q_size + 2 * kv_size]
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, num_heads, head_dim]
-            x = x + linear(attn.view(t, q_size), layer.o)
+            x = x + linear(attn.view(t, q_size), layer.o, min_rows=self._min_rows)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
-            x = x + linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up, min_rows=self._min_rows).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + linear(F.silu(gate) * up, layer.down, min_rows=self._min_rows)
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] float32 for hidden states [N, hidden]."""
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, min_rows=self._min_rows).float()

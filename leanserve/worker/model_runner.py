@@ -71,12 +71,14 @@ class ModelRunner:
         block_size: tokens per KV block.
         sampler: the batched sampler.
         seed: seeds the generators of requests that carry no seed of their own.
-        use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels); off
-            by default until its rows are bitwise batch-invariant with seeded sampling (a seeded test diverged).
+        use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels).
+
+    With ``model.batch_invariant``, each decode is attended on its own (the native kernel does so already; the torch
+    path then makes groups of one, no padding), so no sequence's arithmetic depends on its neighbours.
     """
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 sampler: Sampler, seed: int = 0, use_native_kernels: bool = False) -> None:
+                 sampler: Sampler, seed: int = 0, use_native_kernels: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -144,7 +146,12 @@ class ModelRunner:
             if s.samples:
                 logits_idx.append(len(ids) - 1)
         meta.decode_kernel = self.decode_kernel
-        groups = [list(range(len(decode_lens)))] if self.decode_kernel else decode_groups(decode_lens, bs)
+        if self.decode_kernel:
+            groups = [list(range(len(decode_lens)))]
+        elif self.model.batch_invariant:
+            groups = [[i] for i in range(len(decode_lens))]
+        else:
+            groups = decode_groups(decode_lens, bs)
         start = 0
         for group in groups:
             if not group:

@@ -123,10 +123,22 @@ def test_long_prompt_is_chunked_while_others_wait_and_shorts_pass():
     assert kv.prefix_cache_queries == 320 and kv.prefix_cache_hits == 0
 
 
-def test_lone_long_prompt_uses_the_whole_budget():
+def test_lone_long_prompt_is_chunked_too():
+    """A step stays short even for a lone long prompt: a request arriving meanwhile starts after one chunk."""
     kv = KVCacheManager(num_blocks=200, block_size=4)
     s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=2000,
                   long_prefill_token_threshold=64)
+    s.add_request(req("long", 300))
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 64)]
+    s.add_request(Request("short", [9] * 10, SamplingParams(max_tokens=4), 4))
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 64), ("short", 10)]
+
+
+def test_no_threshold_uses_the_whole_budget():
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=2000)
     s.add_request(req("long", 300))
     out, _ = run_step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 300)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from leanserve import SamplingParams
+from leanserve import LLM, SamplingParams
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError
 
 import pytest
@@ -24,13 +24,45 @@ def test_same_seed_same_text_different_seed_different_text(llm):
     assert len(a[0].outputs[0].token_ids) == 32
 
 
-def test_seeded_request_alone_equals_in_batch(llm):
-    seeded = SamplingParams(seed=7, temperature=1.0, max_tokens=32, ignore_eos=True)
+def seeded_alone_and_in_batch(llm, seed: int = 7):
+    """A seeded request's output alone and between two unseeded requests (logprobs of its 5 top tokens too)."""
+    seeded = SamplingParams(seed=seed, temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=5)
     other = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
-    alone = llm.chat(CHAT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    alone = llm.chat(CHAT, seeded, use_tqdm=False)[0].outputs[0]
     convs = [[{"role": "user", "content": "Hi!"}], CHAT, [{"role": "user", "content": "Name a color."}]]
-    batch = llm.chat(convs, [other, seeded, other], use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
+    batch = llm.chat(convs, [other, seeded, other], use_tqdm=False)[1].outputs[0]
+    return alone, batch
+
+
+def test_seeded_request_alone_equals_in_batch_when_batch_invariant(loaded):
+    """With batch_invariant the logits are bitwise independent of the batch, so the seeded text is the same."""
+    llm = LLM(loaded=loaded, kv_cache_memory=64 << 20, batch_invariant=True)
+    for seed in (7, 8):
+        alone, batch = seeded_alone_and_in_batch(llm, seed)
+        assert batch.token_ids == alone.token_ids
+        assert batch.logprobs == alone.logprobs  # every top-5 logprob bitwise equal, at every step
+
+
+def test_seeded_request_in_batch_is_numerically_close_by_default(llm):
+    """Without batch_invariant, a row's GEMM kernel depends on the batch size (BLAS gemv alone, gemm in a
+    batch), so logits differ in the last bits: the top-5 logprobs agree to 1e-4 at every step while the tokens
+    agree. (A seeded draw that lands within that rounding of a CDF boundary can then differ.)"""
+    alone, batch = seeded_alone_and_in_batch(llm)
+    steps = 0
+    for tok_a, tok_b, lp_a, lp_b in zip(alone.token_ids, batch.token_ids, alone.logprobs, batch.logprobs,
+                                        strict=True):
+        if tok_a != tok_b:
+            break
+        common = set(lp_a) & set(lp_b)
+        assert len(common) >= 4
+        assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in common) < 1e-4
+        steps += 1
+    assert steps >= 8, steps
+
+
+def test_batch_invariant_needs_float32(loaded):
+    with pytest.raises(InvalidParameterError, match="batch_invariant"):
+        LLM(loaded=loaded, dtype="bfloat16", kv_cache_memory=16 << 20, batch_invariant=True)
 
 
 def test_stop_string_spanning_tokens(llm):

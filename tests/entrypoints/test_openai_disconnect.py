@@ -1,6 +1,7 @@
-"""Client disconnects, the waiting-queue bound, the KV capacity error and shutdown, on a second server whose
-steps are short (32-token chunks) so that "within one step" is well under a second, with a small waiting bound
-(2) and a KV pool (2912 tokens) smaller than its context (4096)."""
+"""Client disconnects on a server with the default engine settings (a disconnect must stop a 2,000-token request
+within a second: the default chunking keeps each step short); the waiting-queue bound, the KV capacity error and
+shutdown on a second server with short steps (32-token chunks), a small waiting bound (2) and a KV pool (2912
+tokens) smaller than its context (4096)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import time
 import httpx
 import pytest
 from server_helpers import ServerProcess, wait_for
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    srv = ServerProcess([]).start()
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +70,19 @@ def check_stops_and_next_starts(srv: ServerProcess, sock: socket.socket) -> None
     assert r["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_disconnect_non_streaming_during_prefill(small_server):
-    srv = small_server
+def test_disconnect_non_streaming_during_prefill(default_server):
+    srv = default_server
     sock = raw_request(srv, "/v1/completions", {"model": srv.model, "prompt": long_prompt(1), "max_tokens": 50})
     wait_for(lambda: srv.metrics()["vllm:num_requests_running"] >= 1, timeout=30)
-    time.sleep(0.3)  # a few prefill chunks in
+    time.sleep(0.3)  # into the prefill
     check_stops_and_next_starts(srv, sock)
     m = srv.metrics()
     label = f'finished_reason="abort",model_name="{srv.model}"'
     assert m["vllm:request_success_total{" + label + "}"] >= 1
 
 
-def test_disconnect_streaming_during_prefill(small_server):
-    srv = small_server
+def test_disconnect_streaming_during_prefill(default_server):
+    srv = default_server
     sock = raw_request(srv, "/v1/completions", {"model": srv.model, "prompt": long_prompt(2), "max_tokens": 50,
                                                 "stream": True})
     sock.settimeout(30)
@@ -83,8 +91,8 @@ def test_disconnect_streaming_during_prefill(small_server):
     check_stops_and_next_starts(srv, sock)
 
 
-def test_disconnect_streaming_during_decode(small_server):
-    srv = small_server
+def test_disconnect_streaming_during_decode(default_server):
+    srv = default_server
     sock = raw_request(srv, "/v1/completions", {"model": srv.model, "prompt": "Once upon a time", "max_tokens": 300,
                                                 "ignore_eos": True, "stream": True})
     sock.settimeout(60)
