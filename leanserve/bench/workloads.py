@@ -113,7 +113,7 @@ def _fit(corpus: Corpus, make: Callable[[int], list[dict[str, str]]], target: in
 
 
 def _customer_service(corpus: Corpus, rng: random.Random, target: int) -> list[dict[str, str]]:
-    entries = rng.sample(corpus.passages, 3)
+    entries = rng.sample(corpus.passages, 6)
     faq = "\n\n".join(f"Q: What is {p.source}?\nA: {p.text}" for p in entries)
     question = rng.choice(SUPPORT_QUESTIONS).format(name=entries[0].source)
     fixed = corpus.count(SUPPORT_SYSTEM_PROMPT) + corpus.count(question) + 12
@@ -126,15 +126,16 @@ def _customer_service(corpus: Corpus, rng: random.Random, target: int) -> list[d
 
 
 def _knowledge_qa(corpus: Corpus, rng: random.Random, target: int) -> list[dict[str, str]]:
-    start = rng.randrange(len(corpus.passages))
-    picked = [corpus.passages[(start + i * rng.randint(1, 7)) % len(corpus.passages)] for i in range(24)]
-    docs = []
-    for p in picked:
+    index = rng.randrange(len(corpus.passages))
+    docs: list[tuple[str, str]] = []
+    while sum(len(text) for _, text in docs) < 6 * target:  # >= 6 characters per token: more than enough text
+        index = (index + rng.randint(1, 7)) % len(corpus.passages)
+        p = corpus.passages[index]
         docs.append((p.source, p.text))
         if rng.random() < 0.3:  # retrieval returns near-duplicates: a mirror copy with its first sentence dropped
-            first_stop = p.text.find(". ")
-            docs.append((f"{p.source} (mirror)", p.text[first_stop + 2:] if first_stop > 0 else p.text.upper()))
-    rng.shuffle(docs)
+            first_stop = p.text.find(". ")  # (placed next to or just before the original)
+            mirror = (f"{p.source} (mirror)", p.text[first_stop + 2:] if first_stop > 0 else p.text.upper())
+            docs.insert(len(docs) - rng.randint(0, min(2, len(docs) - 1)), mirror)
     body = "\n\n".join(f"Document {i + 1} [source: {src}]\n{text}" for i, (src, text) in enumerate(docs))
     question = rng.choice(QA_QUESTIONS).format(name=docs[0][0])
     fixed = corpus.count(QA_INSTRUCTION) + corpus.count(question) + 8
@@ -150,7 +151,10 @@ def _code_assistant(corpus: Corpus, rng: random.Random, target: int) -> list[dic
     lines = source.splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if line.startswith(("def ", "class "))] or [0]
     code = "".join(lines[rng.choice(starts[: max(1, len(starts) // 2)]):])
-    for extra_name, extra in corpus.code_files[index + 1:index + 4]:  # a short file continues with the next ones
+    following = index
+    while len(code) < 8 * target:  # a short file continues with the next ones
+        following = (following + 1) % len(corpus.code_files)
+        extra_name, extra = corpus.code_files[following]
         code += f"\n\n# ---- {extra_name} ----\n{extra}"
     instruction = rng.choice(CODE_INSTRUCTIONS)
     fixed = corpus.count(CODE_SYSTEM_PROMPT) + corpus.count(instruction) + 24
