@@ -48,6 +48,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or HF folder of the served model's tokenizer, for prompt lengths and token counts "
                         "without usage (default: the default model's)")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout in seconds")
+    p.add_argument("--metrics-interval", type=float, default=0.5,
+                   help="seconds between polls of the server's /metrics during the run (for peak KV usage)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -90,7 +92,8 @@ def run_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                          request_rate=args.request_rate, burstiness=args.burstiness,
                          max_concurrency=args.max_concurrency, seed=args.seed, slos=slos, api_key=args.api_key,
-                         timeout_s=args.timeout, progress=not args.disable_tqdm)
+                         timeout_s=args.timeout, progress=not args.disable_tqdm,
+                         metrics_interval_s=args.metrics_interval)
     label = args.workload or ("dataset" if args.dataset else "customer-service")
 
     def count_tokens(text: str) -> int:

@@ -24,7 +24,7 @@ def server():
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "leanserve.cli", "bench", "--disable-tqdm", *args]
+    cmd = [sys.executable, "-m", "leanserve.cli", "bench", "--disable-tqdm", "--metrics-interval", "0.05", *args]
     return subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, timeout=600)
 
 
