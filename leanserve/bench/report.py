@@ -31,7 +31,7 @@ def print_run(run: RunResult, out: TextIO = sys.stdout) -> None:
     d = run.to_dict()
     m = run.metrics
     title = f" Serving Benchmark Result {run.label} ".replace("  ", " ")
-    out.write(f"{title:=^{WIDTH}}\n")
+    out.write(f"{title:=^{max(WIDTH, len(title) + 6)}}\n")
     _line(out, "Model:", run.model_id)
     _line(out, "Request rate (req/s):", d["request_rate"])
     _line(out, "Max concurrency:", d["max_concurrency"])
