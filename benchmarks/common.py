@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from leanserve.bench.corpus import corpus_text
 
 import httpx
 
@@ -24,23 +26,11 @@ class BenchRequest:
     max_tokens: int
 
 
-def corpus_text(max_chars: int = 2_000_000) -> str:
-    """Real English prose and code available offline: the Python standard library's own sources (PSF license)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, total = [], 0
-    for name in sorted(root.glob("*.py")):
-        text = name.read_text(encoding="utf-8", errors="ignore")
-        parts.append(text)
-        total += len(text)
-        if total >= max_chars:
-            break
-    return "\n".join(parts)
-
-
 def make_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   seed: int) -> list[BenchRequest]:
     """``n`` requests with prompt and output lengths drawn uniformly from the ranges (tokens), fixed by ``seed``;
-    prompts are windows of :func:`corpus_text`."""
+    prompts are windows of :func:`leanserve.bench.corpus.corpus_text` (the Python standard library's sources, PSF
+    License)."""
     rng = random.Random(seed)
     ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
     out = []
@@ -63,14 +53,16 @@ class LlamaServer:
     Args:
         binary: path of llama-server. model: GGUF path. slots: parallel sequences (-np).
         ctx_per_slot: context tokens per slot. threads: CPU threads (-t).
+        extra_args: more command-line arguments (e.g. ``["--metrics"]``).
     """
 
-    def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, threads: int) -> None:
+    def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, threads: int,
+                 extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [binary, "-m", model, "-c", str(slots * ctx_per_slot), "-np", str(slots), "-t", str(threads),
                     "-tb", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "-b", "2048", "-ub", "512",
-                    "--no-webui"]
+                    "--no-webui", *(extra_args or [])]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
@@ -91,6 +83,49 @@ class LlamaServer:
         if self.proc:
             self.proc.terminate()
             self.proc.wait(timeout=30)
+
+
+class LeanserveServer:
+    """``leanserve serve`` (this checkout's, ``python -m leanserve.cli``) on loopback, as a context manager.
+
+    Args:
+        model: GGUF path or HF folder. threads: CPU threads (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS).
+        args: more ``serve`` options (e.g. ``["--max-num-seqs", "8"]``).
+    """
+
+    def __init__(self, model: str, threads: int, args: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "leanserve.cli", "serve", "--model", model, "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-level", "warning", *(args or [])]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LeanserveServer:
+        root = Path(__file__).resolve().parents[1]
+        self.proc = subprocess.Popen(self.cmd, cwd=root, env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"leanserve exited: {' '.join(self.cmd)}")
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError("leanserve did not become healthy in 300 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def find_llama_server(explicit: str | None) -> str | None:

@@ -1,4 +1,4 @@
-"""Command line: ``leanserve serve | demo | generate | chat``."""
+"""Command line: ``leanserve serve | demo | generate | chat | bench``."""
 
 from __future__ import annotations
 
@@ -133,6 +133,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from leanserve.bench.command import run_bench
+
+    try:
+        return run_bench(args)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanserve", description="A lean LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,12 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     for p in (serve, demo, gen, chat):
         add_engine_args(p)
+    from leanserve.bench.command import add_bench_args
+
+    add_bench_args(sub.add_parser("bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, goodput...)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
+               "bench": cmd_bench}[args.command]
     try:
         return handler(args)
     except LeanserveError as e:

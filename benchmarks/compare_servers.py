@@ -1,0 +1,167 @@
+"""Serving side by side: leanserve vs llama.cpp's llama-server on the same GGUF file, workloads and request rates.
+
+Both servers get the same threads (--threads, default 2) and comparable parallelism: llama-server
+``-np SLOTS -c SLOTS*CTX`` (continuous batching is on by default), leanserve ``--max-num-seqs SLOTS
+--max-model-len CTX``. Each server runs, for every workload, one ``leanserve bench`` run per rate (the built-in
+scenarios of leanserve.bench, chat endpoint, greedy, exact output lengths), then the other server does the same.
+
+Prints every run, a ratio table (leanserve / llama-server) and the issue's two target figures:
+  - customer-service: the highest swept rate where llama-server's p99 TTFT stays under 2 s, and there the goodput
+    (TTFT <= 2 s, TPOT <= 200 ms) of leanserve and of llama-server and their ratio (target >= 2x);
+  - knowledge-qa: leanserve's median TTFT / llama-server's at each rate (target <= 0.5x).
+Writes JSON (--out) and one PNG with both servers' curves (--plot).
+
+Usage:
+    .venv/bin/python -m benchmarks.compare_servers [--llama-server PATH] [--workloads customer-service,knowledge-qa]
+        [--rates 0.5,1,2 | --rates customer-service=0.5,1,2 knowledge-qa=0.05,0.1] [--num-prompts 32]
+    llama-server: --llama-server, $LLAMA_SERVER, or where ../shared/tools/build-llama-cpp.sh builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from leanserve.bench.command import load_tokenizer
+from leanserve.bench.corpus import Corpus
+from leanserve.bench.plot import plot_sweep
+from leanserve.bench.report import print_run, print_sweep
+from leanserve.bench.runner import BenchConfig, parse_rates, run_sweep
+from leanserve.bench.stats import parse_goodput
+from leanserve.bench.workloads import WORKLOADS, make_workload
+from leanserve.loader import default_model_path
+
+from benchmarks.common import LeanserveServer, LlamaServer, find_llama_server, write_json
+
+DEFAULT_RATES = {"customer-service": [0.25, 0.5, 1.0, 2.0, 4.0], "knowledge-qa": [0.05, 0.1, 0.2],
+                 "code-assistant": [0.05, 0.1, 0.2], "copywriting": [0.05, 0.1, 0.2]}
+SERVERS = ("leanserve", "llama.cpp")
+TTFT_LIMIT_MS = 2000.0
+
+
+def rates_by_workload(items: Sequence[str] | None, workloads: Sequence[str]) -> dict[str, list[float]]:
+    """``["0.5,1"]`` (all workloads) or ``["customer-service=0.5,1", ...]`` -> rates per workload (defaults else)."""
+    out = {w: list(DEFAULT_RATES[w]) for w in workloads}
+    for item in items or []:
+        name, sep, rates = item.rpartition("=")
+        for w in ([name] if sep else workloads):
+            if w not in out:
+                raise SystemExit(f"--rates: unknown workload {w!r}")
+            out[w] = parse_rates(rates)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is missing or ``b`` is 0."""
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def targets(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """The issue's two target figures from ``results[workload][server]`` run dicts (see the module doc)."""
+    out: dict[str, Any] = {}
+    cs = results.get("customer-service")
+    if cs:
+        under = [(ls, lc) for ls, lc in zip(cs["leanserve"], cs["llama.cpp"], strict=True)
+                 if lc["completed"] and lc["failed"] == 0 and lc["p99_ttft_ms"] < TTFT_LIMIT_MS]
+        if under:
+            lean, llama = max(under, key=lambda pair: _rate_value(pair[1]["request_rate"]))
+            g = ratio(lean["request_goodput"], llama["request_goodput"])
+            out["customer_service"] = {
+                "rate": llama["request_rate"], "llama_p99_ttft_ms": llama["p99_ttft_ms"],
+                "leanserve_goodput": lean["request_goodput"], "llama_goodput": llama["request_goodput"],
+                "goodput_ratio": g, "target": ">= 2x", "met": g is not None and g >= 2.0}
+        else:
+            out["customer_service"] = {"rate": None, "note": "llama-server's p99 TTFT is >= 2 s at every swept rate"}
+    kq = results.get("knowledge-qa")
+    if kq:
+        per_rate = [{"rate": lc["request_rate"], "leanserve_median_ttft_ms": ls["median_ttft_ms"],
+                     "llama_median_ttft_ms": lc["median_ttft_ms"],
+                     "ratio": ratio(ls["median_ttft_ms"], lc["median_ttft_ms"])}
+                    for ls, lc in zip(kq["leanserve"], kq["llama.cpp"], strict=True)]
+        out["knowledge_qa"] = {"per_rate": per_rate, "target": "<= 0.5x",
+                               "met_at_every_rate": all(p["ratio"] is not None and p["ratio"] <= 0.5
+                                                        for p in per_rate)}
+    return out
+
+
+def _rate_value(rate: float | str) -> float:
+    return math.inf if rate == "inf" else float(rate)
+
+
+def _fmt(value: float | None, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.2f}{suffix}"
+
+
+def print_ratios(results: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    """One line per workload and rate: leanserve / llama-server for throughput, goodput and latencies."""
+    keys = ("output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
+    print(f"\n{'workload':<18}{'rate':>7}" + "".join(f"{k:>20}" for k in keys) + "   (leanserve / llama-server)")
+    for workload, by_server in results.items():
+        for lean, llama in zip(by_server["leanserve"], by_server["llama.cpp"], strict=True):
+            cells = [_fmt(ratio(lean[k], llama[k]), "x") for k in keys]
+            print(f"{workload:<18}{lean['request_rate']!s:>7}" + "".join(f"{c:>20}" for c in cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
+    ap.add_argument("--model", default=None, help="GGUF file served by both (default: the default model)")
+    ap.add_argument("--workloads", default="customer-service,knowledge-qa")
+    ap.add_argument("--rates", nargs="+", default=None, help="RATES for all, or WORKLOAD=RATES (requests/s)")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=8, help="llama-server -np; leanserve --max-num-seqs")
+    ap.add_argument("--ctx", type=int, default=4096, help="context tokens per sequence / slot")
+    ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/compare_servers.json")
+    ap.add_argument("--plot", default="benchmarks/results/compare_servers.png")
+    args = ap.parse_args()
+
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        raise SystemExit("llama-server not found: pass --llama-server or run ../shared/tools/build-llama-cpp.sh")
+    model = args.model or default_model_path()
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    rates = rates_by_workload(args.rates, workloads)
+    tokenizer = load_tokenizer(model)
+    corpus = Corpus.load(tokenizer)
+    slos = parse_goodput(args.goodput)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    servers = {
+        "leanserve": lambda: LeanserveServer(model, args.threads, ["--max-num-seqs", str(args.slots),
+                                                                   "--max-model-len", str(args.ctx)]),
+        "llama.cpp": lambda: LlamaServer(binary, model, args.slots, args.ctx, args.threads, ["--metrics"]),
+    }
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
+    for name in SERVERS:
+        with servers[name]() as srv:
+            for w in workloads:
+                config = BenchConfig(base_url=srv.url, seed=args.seed, slos=slos, progress=True)
+                runs = run_sweep(config, lambda seed, w=w: make_workload(w, corpus, args.num_prompts, seed),
+                                 rates[w], f"{name} {w}", count_tokens)
+                for run in runs:
+                    print_run(run)
+                print_sweep(runs)
+                results[w][name] = [r.to_dict() for r in runs]
+    print_ratios(results)
+    figures = targets(results)
+    print("\ntargets:")
+    for key, value in figures.items():
+        print(f"  {key}: {value}")
+    write_json(args.out, {"model": model, "threads": args.threads, "slots": args.slots, "ctx": args.ctx,
+                          "num_prompts": args.num_prompts, "goodput_slos_ms": slos, "targets": figures,
+                          "results": results})
+    print(f"wrote {plot_sweep(results, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()

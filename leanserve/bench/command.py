@@ -1,0 +1,129 @@
+"""``leanserve bench``: load an OpenAI-compatible server with a built-in scenario or a dataset file, print the
+report, and optionally write JSON and a PNG plot; ``--sweep`` runs several request rates."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from leanserve.bench.corpus import Corpus
+from leanserve.bench.datasets import load_dataset
+from leanserve.bench.report import print_run, print_sweep, sweep_rows, write_json
+from leanserve.bench.runner import BenchConfig, RunResult, parse_rates, run_benchmark, run_sweep
+from leanserve.bench.stats import parse_goodput
+from leanserve.bench.workloads import WORKLOADS, BenchRequest, make_workload
+from leanserve.tokenizer import Tokenizer
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``leanserve bench`` (names follow vLLM's ``bench serve``)."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions"],
+                   help="/v1/chat/completions or /v1/completions")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                     help="built-in scenario (default: customer-service)")
+    src.add_argument("--dataset", default=None,
+                     help="ShareGPT JSON/JSONL conversations, or JSONL of {\"prompt\", \"max_tokens\"}")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (per rate with --sweep)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="mean requests per second (Poisson / gamma arrivals); default inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000 (milliseconds)")
+    p.add_argument("--sweep", default=None, metavar="RATES",
+                   help="comma-separated request rates (e.g. 0.5,1,2,inf): one run each, a summary and a plot")
+    p.add_argument("--result-json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG plot to this file")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    p.add_argument("--tokenizer", default=None,
+                   help="GGUF file or HF folder of the served model's tokenizer, for prompt lengths and token counts "
+                        "without usage (default: the default model's)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout in seconds")
+    p.add_argument("--metrics-interval", type=float, default=0.5,
+                   help="seconds between polls of the server's /metrics during the run (for peak KV usage)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The tokenizer of a GGUF file or HF folder (None: the default model's GGUF), without loading weights.
+
+    Raises:
+        ModelLoadError: the default model is not installed, or the folder has no usable tokenizer.
+        OSError / ValueError: the GGUF file cannot be read.
+    """
+    if path is not None and os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    from leanserve.loader import default_model_path
+
+    import gguf
+
+    return Tokenizer.from_gguf(gguf.GGUFReader(path or default_model_path()))
+
+
+def _requests_for(args: argparse.Namespace, tokenizer: Tokenizer, corpus: Corpus | None, seed: int
+                  ) -> list[BenchRequest]:
+    if args.dataset:
+        return load_dataset(args.dataset, tokenizer, args.num_prompts, seed)
+    return make_workload(args.workload or "customer-service", corpus, args.num_prompts, seed)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed ``args`` describe; 0 when every request succeeded, 1 otherwise.
+
+    Raises:
+        ValueError: bad --goodput, --sweep, rate, burstiness or concurrency values, or an unusable dataset.
+        RuntimeError: the server's model list cannot be read.
+    """
+    slos = parse_goodput(args.goodput)
+    rates = parse_rates(args.sweep) if args.sweep else None
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    tokenizer = load_tokenizer(args.tokenizer)
+    corpus = None if args.dataset else Corpus.load(tokenizer)
+    config = BenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                         request_rate=args.request_rate, burstiness=args.burstiness,
+                         max_concurrency=args.max_concurrency, seed=args.seed, slos=slos, api_key=args.api_key,
+                         timeout_s=args.timeout, progress=not args.disable_tqdm,
+                         metrics_interval_s=args.metrics_interval)
+    label = args.workload or ("dataset" if args.dataset else "customer-service")
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    if rates is None:
+        runs = [run_benchmark(config, _requests_for(args, tokenizer, corpus, args.seed), label, count_tokens)]
+        print_run(runs[0])
+        payload = runs[0].to_dict()
+    else:
+        runs = run_sweep(config, lambda seed: _requests_for(args, tokenizer, corpus, seed), rates, label,
+                         count_tokens)
+        for run in runs:
+            print_run(run)
+        print_sweep(runs)
+        payload = {"label": label, "summary": sweep_rows(runs), "runs": [r.to_dict() for r in runs]}
+    _write_outputs(args, runs, payload, label, sweep=rates is not None)
+    return 0 if all(r.metrics.failed == 0 for r in runs) else 1
+
+
+def _write_outputs(args: argparse.Namespace, runs: Sequence[RunResult], payload: dict, label: str,
+                   sweep: bool) -> None:
+    if args.result_json:
+        print(f"wrote {write_json(args.result_json, payload)}")
+    if args.plot:
+        from leanserve.bench.plot import plot_run, plot_sweep
+
+        if sweep:
+            path = plot_sweep({label: {runs[0].model_id: [r.to_dict() for r in runs]}}, args.plot)
+        else:
+            path = plot_run(runs[0].to_dict(), args.plot)
+        print(f"wrote {path}")
+    sys.stdout.flush()
