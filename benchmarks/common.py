@@ -89,7 +89,7 @@ class LeanserveServer:
     """``leanserve serve`` (this checkout's, ``python -m leanserve.cli``) on loopback, as a context manager.
 
     Args:
-        model: GGUF path or HF folder. threads: CPU threads (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS).
+        model: GGUF path or HF folder. threads: CPU threads (``--threads``).
         args: more ``serve`` options (e.g. ``["--max-num-seqs", "8"]``).
     """
 
@@ -97,8 +97,8 @@ class LeanserveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "leanserve.cli", "serve", "--model", model, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--log-level", "warning", *(args or [])]
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+                    "--port", str(self.port), "--log-level", "warning", "--threads", str(threads), *(args or [])]
+        self.env = dict(os.environ)
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LeanserveServer:

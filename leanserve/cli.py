@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step for long prompts (default: 256 on CPU, 2048 on CUDA; 0 = off)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that carry none")
+    g.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="CPU threads for matmuls and attention (default: all cores; fewer on a busy machine)")
     g.add_argument("--no-native-kernels", dest="use_native_kernels", action="store_false",
                    help="use the torch attention path instead of the compiled CPU kernel")
     g.add_argument("--batch-invariant", action="store_true",
@@ -47,7 +49,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         scheduling_policy=args.scheduling_policy, seed=args.engine_seed,
-                        use_native_kernels=args.use_native_kernels, batch_invariant=args.batch_invariant)
+                        use_native_kernels=args.use_native_kernels, batch_invariant=args.batch_invariant,
+                        num_threads=args.num_threads)
 
 
 def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,

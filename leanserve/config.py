@@ -54,6 +54,10 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0  # seed of the engine's generator for unseeded sampling
+    # CPU threads for matmuls and attention (torch's and NumPy's BLAS pools; llama.cpp's -t); None = all cores.
+    # On a machine shared with other busy processes, give fewer threads than cores: a pool that waits on a
+    # descheduled thread at every matmul is many times slower.
+    num_threads: int | None = None
     # Compiled CPU kernels (leanserve.kernels: paged decode attention), built on first use; False = torch path only.
     use_native_kernels: bool = True
     # Bitwise batch invariance: a request's logits do not depend on what else is in the batch, so seeded sampling

@@ -20,6 +20,7 @@ from leanserve.loader import LoadedModel, load_model
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
+from leanserve.worker.cpu_threads import set_num_threads
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
 
@@ -77,12 +78,17 @@ class LLMEngine:
         self.model_path = loaded.path
         ctx = loaded.config.max_position_embeddings
         self.max_model_len = config.max_model_len or ctx
+        if self.max_model_len > ctx:
+            raise InvalidParameterError("max_model_len", f"max_model_len={self.max_model_len} is longer than the "
+                                        f"model's context of {ctx} tokens (positions beyond it were never trained)")
         if self.max_model_len < 2:
             raise InvalidParameterError("max_model_len", f"max_model_len must be >= 2, got {self.max_model_len}")
         if config.block_size < 1 or config.max_num_seqs < 1:
             raise InvalidParameterError("block_size", "block_size and max_num_seqs must be >= 1")
         if config.max_num_batched_tokens is not None and config.max_num_batched_tokens < 1:
             raise InvalidParameterError("max_num_batched_tokens", "max_num_batched_tokens must be >= 1")
+        if config.num_threads is not None:
+            set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype)
         if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
             raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
@@ -187,7 +193,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)
+                child_params = replace(params, seed=(params.seed + i) % 2**64)  # stays in the accepted range
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(cid, prompt_ids, child_params, max_tokens, self.tokenizer.stop_token_ids,
                                     arrival_time=arrival, priority=priority))

@@ -64,6 +64,9 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise InvalidParameterError("prompt", f"prompts must be a string, a dict or a list of them, got "
+                                        f"{type(prompts).__name__}")
         return self._run([self._prompt_of(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -48,23 +48,20 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
     r1 = make_request("a", list(range(12)))  # exactly 3 blocks
     assert kv.get_computed_blocks(r1) == ([], 0)
     assert kv.allocate_slots(r1, 12)
+    first_two = kv.block_ids("a")[:2]
     r1.num_computed_tokens = 12
     kv.cache_blocks(r1)
     kv.free(r1)
     # same prompt: at most (12 - 1) // 4 = 2 blocks reused, the last token recomputed
     r2 = make_request("b", list(range(12)))
     hits, n = kv.get_computed_blocks(r2)
-    assert n == 8 and [b.block_id for b in hits] == kv_block_ids_of_first(kv, hits)
+    assert n == 8 and [b.block_id for b in hits] == first_two  # the blocks request "a" filled
     assert kv.allocate_slots(r2, 4, hits)
     assert kv.block_ids("b")[:2] == [b.block_id for b in hits]
     # a prompt sharing only the first block
     r3 = make_request("c", list(range(4)) + [99] * 8)
     hits3, n3 = kv.get_computed_blocks(r3)
     assert n3 == 4 and hits3[0] is hits[0]
-
-
-def kv_block_ids_of_first(kv, hits):
-    return [b.block_id for b in hits]
 
 
 def test_allocate_fails_without_side_effects_and_free_restores():

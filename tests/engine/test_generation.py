@@ -190,3 +190,21 @@ def test_invalid_unicode_prompt_is_a_typed_error(llm):
     with pytest.raises(InvalidParameterError) as e:
         llm.generate("\ud800 hi", SamplingParams(max_tokens=2), use_tqdm=False)
     assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [5], [{"text": "hi"}]])
+def test_prompt_of_a_wrong_type_is_a_typed_error(llm, prompt):
+    with pytest.raises(InvalidParameterError) as e:
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert e.value.param == "prompt"
+
+
+def test_n_with_the_largest_seed_does_not_overflow(llm):
+    outs = llm.generate("Hi", SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=4), use_tqdm=False)
+    assert [c.index for c in outs[0].outputs] == [0, 1]
+
+
+def test_max_model_len_beyond_the_models_context_is_rejected(loaded):
+    ctx = loaded.config.max_position_embeddings
+    with pytest.raises(InvalidParameterError, match=f"context of {ctx} tokens"):
+        LLM(loaded=loaded, kv_cache_memory=16 << 20, max_model_len=ctx + 1)

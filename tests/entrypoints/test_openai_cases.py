@@ -162,10 +162,10 @@ def test_case5_prompt_longer_than_context(server, client):
     msgs = chat_prompt_of_length(server, client, c + 10)
     err = assert_error(client.post("/v1/chat/completions", json={"model": server.model, "messages": msgs}),
                        400, code="context_length_exceeded")
-    assert str(c + 10) in err["message"] and str(c) in err["message"]
+    assert str(c + 10) in err["message"] and str(c) in err["message"] and err["param"] == "messages"
     err = assert_error(client.post("/v1/completions", json={"model": server.model, "prompt": [30] * (c + 10)}),
                        400, code="context_length_exceeded")
-    assert str(c + 10) in err["message"] and str(c) in err["message"]
+    assert str(c + 10) in err["message"] and str(c) in err["message"] and err["param"] == "prompt"
     assert server.healthy()
     ok = client.post("/v1/chat/completions", json=chat_body(server, "Hi", max_tokens=2))
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")

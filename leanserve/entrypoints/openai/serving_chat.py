@@ -53,7 +53,7 @@ from leanserve.sampling_params import MAX_LOGPROBS
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-_PARAM_NAMES = {"logprobs": "top_logprobs"}
+_PARAM_NAMES = {"logprobs": "top_logprobs", "prompt": "messages"}  # SamplingParams / engine name -> API field
 
 
 class OpenAIServingChat:

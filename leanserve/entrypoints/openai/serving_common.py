@@ -60,7 +60,7 @@ def to_openai_error(exc: BaseException, param_names: dict[str, str] | None = Non
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, ContextLengthExceededError):
-        return bad_request(str(exc), exc.param, "context_length_exceeded")
+        return bad_request(str(exc), (param_names or {}).get(exc.param, exc.param), "context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         return bad_request(str(exc), (param_names or {}).get(exc.param, exc.param))
     if isinstance(exc, KVCapacityError):
