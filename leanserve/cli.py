@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="chunk size for long prompts while others run (default: 256 on CPU, 2048 on CUDA; 0 = off)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that carry none")
+    g.add_argument("--quantization", "-q", default="auto",
+                   help="weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none, int8, int4")
+    g.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache: auto (the model dtype) or int8")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +46,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed)
+                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed,
+                        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,

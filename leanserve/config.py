@@ -54,3 +54,8 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0  # seed of the engine's generator for unseeded sampling
+    # Weight quantization (leanserve.quantization): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 projections in their native
+    # bits (the default Q4_1 model runs at 4 bits), "none" = float weights, "int8" / "int4" quantize at load.
+    quantization: str = "auto"
+    quantization_group_size: int = 32  # int4 input columns per scale: 32, 64 or 128
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "int8" = int8 with a scale per token and KV head

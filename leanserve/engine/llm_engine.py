@@ -19,6 +19,7 @@ from leanserve.errors import ContextLengthExceededError, InvalidParameterError, 
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
+from leanserve.quantization import check_kv_cache_dtype, check_quantization
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
@@ -71,7 +72,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        loaded = loaded or load_model(config.model)
+        check_quantization(config.quantization, config.quantization_group_size)
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        loaded = loaded or load_model(config.model, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
@@ -85,7 +88,8 @@ class LLMEngine:
             raise InvalidParameterError("max_num_batched_tokens", "max_num_batched_tokens must be >= 1")
         dtype = resolve_dtype(config.dtype)
         self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
-                                max_position=max(self.max_model_len, ctx))
+                                max_position=max(self.max_model_len, ctx), quantization=config.quantization,
+                                group_size=config.quantization_group_size)
         cfg = loaded.config
         elem = torch.empty(0, dtype=dtype).element_size()
         bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
