@@ -20,6 +20,7 @@ from leanserve.loader import LoadedModel, load_model
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
 from leanserve.quantization import check_kv_cache_dtype, check_quantization
+from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
@@ -91,8 +92,8 @@ class LLMEngine:
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         cfg = loaded.config
-        elem = torch.empty(0, dtype=dtype).element_size()
-        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+        bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, dtype_name)
         self.kv_bytes_per_token = bytes_per_token
         mem = config.kv_cache_memory or self._default_kv_memory()
         num_blocks = int(mem // (bytes_per_token * config.block_size))
@@ -108,7 +109,8 @@ class LLMEngine:
             threshold = 2048 if self.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None)
-        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size)
+        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size,
+                                      kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
                                   seed=config.seed)
         self.processor = OutputProcessor(self.tokenizer)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
-from leanserve.model.attention import AttentionMetadata, paged_attention
+from leanserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 from leanserve.quantization import check_quantization
 from leanserve.quantization.weights import GroupQuantized, Int4Weight, Int8Weight, QuantizedWeight, quantize_weight
@@ -171,13 +171,13 @@ class LlamaModel:
                    for t in tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[KVCache, KVCache]], meta: AttentionMetadata) -> torch.Tensor:
         """Run the decoder over a flattened batch.
 
         Args:
             input_ids: [T] int64 token ids.
             positions: [T] int64 absolute positions of those tokens in their sequences.
-            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim].
+            kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim] (float or int8).
             meta: attention metadata of this step.
 
         Returns:
