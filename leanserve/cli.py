@@ -1,4 +1,4 @@
-"""Command line: ``leanserve serve | demo | generate | chat``."""
+"""Command line: ``leanserve serve | demo | generate | chat | plan | eval``."""
 
 from __future__ import annotations
 
@@ -128,6 +128,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from leanserve.loader import default_model_path
+    from leanserve.tools.plan import config_from_path, format_report, parse_bytes, plan_report
+
+    config = config_from_path(args.model or default_model_path())
+    try:
+        memory = None if args.memory is None else parse_bytes(args.memory)
+        reserve = parse_bytes(args.reserve)
+    except ValueError as exc:
+        print(f"error: bad memory size: {exc}", file=sys.stderr)
+        return 2
+    report = plan_report(config, memory, args.max_model_len, reserve)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from leanserve.tools.eval import run_eval_cli
+
+    return run_eval_cli(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from leanserve.entrypoints.openai.api_server import run_server
 
@@ -159,12 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     for p in (serve, demo, gen, chat):
         add_engine_args(p)
+    plan = sub.add_parser("plan", help="weight memory per precision, KV bytes per token, and what fits in a device")
+    plan.add_argument("--model", default=None, help="GGUF file, HF folder or config.json (default: SmolLM2-135M)")
+    plan.add_argument("--memory", default=None, help="device memory, e.g. 24GB or 16GiB: adds the fit table")
+    plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    plan.add_argument("--reserve", default="0", help="memory kept free for activations/runtime, e.g. 1GB")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ev = sub.add_parser("eval", help="compare quantization configs: perplexity, test set, greedy agreement, speed")
+    from leanserve.tools.eval_args import add_eval_args
+
+    add_eval_args(ev)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat, "plan": cmd_plan,
+               "eval": cmd_eval}[args.command]
     try:
         return handler(args)
     except LeanserveError as e:
