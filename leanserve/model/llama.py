@@ -93,8 +93,9 @@ class LlamaModel:
         device: torch device.
         max_position: positions to precompute RoPE for (tokens).
         quantization: "auto", "none", "int8" or "int4" for the projections (see
-            :func:`leanserve.quantization.weights.quantize_weight`); with "int8" / "int4" the output projection is
-            int8 per channel (a separate copy when tied to the embedding, which stays float for lookups).
+            :func:`leanserve.quantization.weights.quantize_weight`). The embedding and the output projection stay
+            float in every mode: an int8 output projection flipped the greedy first token on 10-15% of prompts
+            (near-ties in the logits) in ``leanserve eval``, against 0% with native 4-bit layers.
         group_size: int4 group size (input columns per scale): 32, 64 or 128.
 
     Raises:
@@ -135,11 +136,6 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head: torch.Tensor | QuantizedWeight = (
             self.embed if config.tie_word_embeddings else w("lm_head.weight"))
-        if quantization in ("int8", "int4"):
-            if self.device.type != "cpu":
-                raise UnsupportedQuantizationError(
-                    "quantization", f"quantized weights run on the CPU only, not on {self.device.type}")
-            self.lm_head = Int8Weight.from_float(self.lm_head.float())
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
