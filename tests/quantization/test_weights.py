@@ -88,3 +88,14 @@ def test_unsupported_methods_fail_clearly() -> None:
         quantize_weight(torch.randn(4, 4), "gptq")
     with pytest.raises(ValueError, match="0..15"):
         pack_int4(torch.full((64, 32), 16))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_rows_are_batch_invariant(kind: str) -> None:
+    """A row's result does not depend on how many rows share the call (greedy output alone == batched)."""
+    w = torch.randn(256, 192) * 0.05
+    q = Int8Weight.from_float(w) if kind == "int8" else Int4Weight.from_float(w, 64)
+    x = torch.randn(64, 192)
+    full = q.matmul(x)
+    for m in (1, 3, 8, 32):
+        assert torch.equal(q.matmul(x[:m]), full[:m])
