@@ -1,4 +1,4 @@
-"""Command line: ``leanserve serve | demo | generate | chat | bench``."""
+"""Command line: ``leanserve serve | demo | generate | chat | bench | plan | eval``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="use the torch attention path instead of the compiled CPU kernel")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch-invariant logits (seeded output independent of the batch; slower decode)")
+    g.add_argument("--quantization", "-q", default="auto",
+                   help="weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none, int8, int4")
+    g.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache: auto (the model dtype) or int8")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -50,7 +54,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         scheduling_policy=args.scheduling_policy, seed=args.engine_seed,
                         use_native_kernels=args.use_native_kernels, batch_invariant=args.batch_invariant,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads,
+                        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
@@ -130,6 +136,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from leanserve.loader import default_model_path
+    from leanserve.tools.plan import config_from_path, format_report, parse_bytes, plan_report
+
+    config = config_from_path(args.model or default_model_path())
+    try:
+        memory = None if args.memory is None else parse_bytes(args.memory)
+        reserve = parse_bytes(args.reserve)
+    except ValueError as exc:
+        print(f"error: bad memory size: {exc}", file=sys.stderr)
+        return 2
+    report = plan_report(config, memory, args.max_model_len, reserve)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from leanserve.tools.eval import run_eval_cli
+
+    return run_eval_cli(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from leanserve.entrypoints.openai.api_server import run_server
 
@@ -174,13 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     from leanserve.bench.command import add_bench_args
 
     add_bench_args(sub.add_parser("bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, goodput...)"))
+    plan = sub.add_parser("plan", help="weight memory per precision, KV bytes per token, and what fits in a device")
+    plan.add_argument("--model", default=None, help="GGUF file, HF folder or config.json (default: SmolLM2-135M)")
+    plan.add_argument("--memory", default=None, help="device memory, e.g. 24GB or 16GiB: adds the fit table")
+    plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    plan.add_argument("--reserve", default="0", help="memory kept free for activations/runtime, e.g. 1GB")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ev = sub.add_parser("eval", help="compare quantization configs: perplexity, test set, greedy agreement, speed")
+    from leanserve.tools.eval_args import add_eval_args
+
+    add_eval_args(ev)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
-               "bench": cmd_bench}[args.command]
+               "bench": cmd_bench, "plan": cmd_plan, "eval": cmd_eval}[args.command]
     try:
         return handler(args)
     except LeanserveError as e:

@@ -63,3 +63,8 @@ class EngineConfig:
     # Bitwise batch invariance: a request's logits do not depend on what else is in the batch, so seeded sampling
     # gives the same text alone and in any batch. Costs single-stream decode speed (fp32 CPU only; see llama.py).
     batch_invariant: bool = False
+    # Weight quantization (leanserve.quantization): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 projections in their native
+    # bits (the default Q4_1 model runs at 4 bits), "none" = float weights, "int8" / "int4" quantize at load.
+    quantization: str = "auto"
+    quantization_group_size: int = 32  # int4 input columns per scale: 32, 64 or 128
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "int8" = int8 with a scale per token and KV head

@@ -34,5 +34,10 @@ class UnsupportedTensorTypeError(ModelLoadError):
     """A GGUF tensor uses a quantization type leanserve cannot dequantize; the message names tensor and type."""
 
 
+class UnsupportedQuantizationError(InvalidParameterError):
+    """A quantization method, KV cache dtype or group size that leanserve does not implement (or not on this
+    device / for this weight shape); the message lists what is supported."""
+
+
 class KVCapacityError(LeanserveError):
     """A request needs more KV cache blocks than the whole pool has, so it can never be scheduled."""

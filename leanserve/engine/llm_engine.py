@@ -19,6 +19,8 @@ from leanserve.errors import ContextLengthExceededError, InvalidParameterError, 
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
+from leanserve.quantization import check_kv_cache_dtype, check_quantization
+from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.cpu_threads import set_num_threads
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
@@ -72,7 +74,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        loaded = loaded or load_model(config.model)
+        check_quantization(config.quantization, config.quantization_group_size)
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        loaded = loaded or load_model(config.model, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
@@ -93,10 +97,11 @@ class LLMEngine:
         if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
             raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
         self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
-                                max_position=max(self.max_model_len, ctx), batch_invariant=config.batch_invariant)
+                                max_position=max(self.max_model_len, ctx), quantization=config.quantization,
+                                group_size=config.quantization_group_size, batch_invariant=config.batch_invariant)
         cfg = loaded.config
-        elem = torch.empty(0, dtype=dtype).element_size()
-        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+        bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, dtype_name)
         self.kv_bytes_per_token = bytes_per_token
         mem = config.kv_cache_memory or self._default_kv_memory()
         num_blocks = int(mem // (bytes_per_token * config.block_size))
@@ -112,7 +117,8 @@ class LLMEngine:
             threshold = 2048 if self.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None)
-        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size)
+        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size,
+                                      kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
                                   seed=config.seed, use_native_kernels=config.use_native_kernels)
         self.processor = OutputProcessor(self.tokenizer)

@@ -28,8 +28,10 @@ class LLM:
         block_size, kv_cache_memory (bytes), max_num_seqs, max_num_batched_tokens, max_model_len (tokens),
         enable_prefix_caching, seed: see :class:`leanserve.config.EngineConfig`.
         loaded: reuse an already loaded model (skips loading).
+        quantization: "auto" (GGUF Q4_0/Q4_1/Q8_0 stay in their native bits), "none", "int8" or "int4".
+        kv_cache_dtype: "auto" (the model dtype) or "int8".
         engine_kwargs: other :class:`EngineConfig` fields (``long_prefill_token_threshold``,
-            ``scheduling_policy``); an unknown name raises TypeError.
+            ``scheduling_policy``, ``quantization_group_size``); an unknown name raises TypeError.
 
     Example:
         >>> llm = LLM()
@@ -41,11 +43,12 @@ class LLM:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, loaded: LoadedModel | None = None,
-                 device: str | None = None, **engine_kwargs: Any) -> None:
+                 device: str | None = None, quantization: str = "auto", kv_cache_dtype: str = "auto",
+                 **engine_kwargs: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              **engine_kwargs)
+                              quantization=quantization, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
         self.engine = LLMEngine(config, loaded=loaded, device=device)
         self._ids = itertools.count()
 

@@ -46,8 +46,12 @@ def default_model_path() -> str:
     raise ModelLoadError(f"the default model ({DEFAULT_MODEL_FILE}) is not installed; run: {_INSTALL_HINT}")
 
 
-def load_model(path: str | None = None) -> LoadedModel:
+def load_model(path: str | None = None, quantization: str = "none") -> LoadedModel:
     """Load a model: ``path`` is a ``.gguf`` file, an HF folder, or None for :func:`default_model_path`.
+
+    ``quantization`` (see :mod:`leanserve.quantization`): with "auto" or "int4", a GGUF file's Q4_0 / Q4_1 /
+    Q8_0 projection matrices are returned as :class:`leanserve.quantization.weights.GroupQuantized` (their
+    native bits); otherwise every weight is dequantized to float32.
 
     Returns:
         LoadedModel with float32 contiguous HF-layout weights, the tokenizer and ``load_time_s``
@@ -57,7 +61,11 @@ def load_model(path: str | None = None) -> LoadedModel:
         ModelLoadError: the path does not exist, is neither a GGUF file nor an HF folder, or holds an
             unsupported architecture / tokenizer or inconsistent tensors.
         UnsupportedTensorTypeError: a GGUF tensor type cannot be dequantized (raised before anything loads).
+        UnsupportedQuantizationError: an unknown ``quantization``.
     """
+    from leanserve.quantization import check_quantization
+
+    check_quantization(quantization)
     start = time.perf_counter()
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
@@ -69,7 +77,7 @@ def load_model(path: str | None = None) -> LoadedModel:
             raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic) nor a model folder")
         from leanserve.loader.gguf_loader import load_gguf
 
-        config, weights, tokenizer = load_gguf(path)
+        config, weights, tokenizer = load_gguf(path, native=quantization in ("auto", "int4"))
     else:
         raise ModelLoadError(f"model path does not exist: {path}")
     return LoadedModel(

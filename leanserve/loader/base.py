@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
@@ -21,14 +22,15 @@ class LoadedModel:
         config: the architecture, read from GGUF metadata or ``config.json``.
         weights: Hugging Face Llama names (see :func:`expected_weight_shapes`) -> HF-layout tensors,
             ``torch.float32``, contiguous, CPU. Linear weights are ``[out_features, in_features]``.
-            ``lm_head.weight`` is absent when ``config.tie_word_embeddings``.
+            ``lm_head.weight`` is absent when ``config.tie_word_embeddings``. Natively quantized GGUF projection
+            matrices are :class:`leanserve.quantization.weights.GroupQuantized` (``load_model(quantization=)``).
         tokenizer: the model's tokenizer.
         path: the GGUF file or HF folder it was loaded from.
         load_time_s: wall-clock seconds spent in :func:`leanserve.loader.load_model`.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Any]  # torch.Tensor or GroupQuantized
     tokenizer: Tokenizer
     path: str
     load_time_s: float

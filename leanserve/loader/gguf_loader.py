@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from typing import Any
 
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import SUPPORTED_ARCHITECTURES, check_weights
+from leanserve.loader.gguf_quant import NATIVE_TYPES, read_group_quantized
 from leanserve.loader.gguf_tensors import check_tensor_types, dequantize_tensor, field, open_gguf
+from leanserve.quantization.weights import GroupQuantized
 from leanserve.tokenizer import Tokenizer
 
 import gguf
@@ -193,9 +196,22 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _unpermute_native(g: GroupQuantized, n_head: int) -> GroupQuantized:
+    """:func:`unpermute_qk` on a natively quantized q/k matrix: whole rows move, with their scales and biases,
+    so the result dequantizes to the un-permuted float matrix exactly."""
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.from_numpy(unpermute_qk(t.numpy(), n_head))
+
+    return replace(g, codes=rows(g.codes), scale=rows(g.scale), bias=rows(g.bias))
+
+
+def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig,
+                 native: bool = False) -> dict[str, torch.Tensor | GroupQuantized]:
     """All weights of a GGUF model, dequantized, renamed to HF and re-laid-out (q/k un-permuted for llama
-    and mistral; qwen2 is converted without the permutation). Values: float32 contiguous ``torch.Tensor``.
+    and mistral; qwen2 is converted without the permutation). Values: float32 contiguous ``torch.Tensor``;
+    with ``native``, the per-layer projection matrices (``*_proj.weight``) of type Q4_0 / Q4_1 / Q8_0 are
+    :class:`GroupQuantized` instead (no arithmetic on their values; the embedding and output stay float).
 
     Raises:
         UnsupportedTensorTypeError: a tensor type is not supported (checked first).
@@ -212,6 +228,14 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name!r} has no counterpart in a {config.architecture} model"
             )
+        if native and tensor.tensor_type in NATIVE_TYPES and name.endswith("_proj.weight"):
+            g = read_group_quantized(tensor)
+            if permuted and ".q_proj." in name:
+                g = _unpermute_native(g, config.num_heads)
+            elif permuted and ".k_proj." in name:
+                g = _unpermute_native(g, config.num_kv_heads)
+            weights[name] = g
+            continue
         array = dequantize_tensor(tensor)
         if permuted and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
@@ -222,8 +246,10 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
     return weights
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a GGUF file: (config, HF weights as in :func:`gguf_weights`, tokenizer from its metadata).
+def load_gguf(path: str, native: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantized], Tokenizer]:
+    """Read a GGUF file: (config, HF weights as in :func:`gguf_weights` with ``native``, tokenizer from its
+    metadata).
 
     Raises:
         ModelLoadError: unreadable file, unsupported architecture/tokenizer, or inconsistent tensors.
@@ -233,5 +259,5 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     check_tensor_types(reader)
     config = gguf_model_config(reader)
     tokenizer = Tokenizer.from_gguf(reader)
-    weights = gguf_weights(reader, config)
+    weights = gguf_weights(reader, config, native=native)
     return config, weights, tokenizer

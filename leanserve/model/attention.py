@@ -12,6 +12,8 @@ prefill chunks, one contiguous run of tokens per sequence.
   query heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
 * With the native kernel (``leanserve/kernels/paged_attention.cpp``, float32 on CPU) all decodes are one call that
   reads each sequence's blocks in place, with no gather and no padding.
+* An int8 KV cache (:class:`leanserve.quantization.kv_cache.Int8KVCache`) is written quantized and read through
+  the torch path: only the gathered blocks are dequantized, to the query dtype (the native kernel is fp32-only).
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
   prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
 """
@@ -21,8 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from leanserve.quantization.kv_cache import Int8KVCache
+
 import torch
 import torch.nn.functional as F
+
+KVCache = torch.Tensor | Int8KVCache  # one layer's K or V: [num_blocks, block_size, kv_heads, head_dim]
 
 
 @dataclass
@@ -58,32 +64,39 @@ class AttentionMetadata:
     decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ([T, kv_heads, head_dim]) in the cache slots ``slot_mapping`` ([T] int64)."""
+    if isinstance(k_cache, Int8KVCache):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather(cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Keys or values of the blocks ``block_ids`` ([..., n] int64) as a [..., kv_heads, n * block_size, head_dim]
-    strided view of one gathered copy."""
+    strided view of one gathered copy (dequantized to ``dtype`` for an int8 cache)."""
     _, block_size, kv_heads, head_dim = cache.shape
     lead = block_ids.shape[:-1]
-    blocks = cache.index_select(0, block_ids.reshape(-1))  # [prod(lead) * n, block_size, kv_heads, head_dim]
+    if isinstance(cache, Int8KVCache):
+        blocks = cache.gather(block_ids, dtype)
+    else:
+        blocks = cache.index_select(0, block_ids.reshape(-1))  # [prod(lead) * n, block_size, kv_heads, head_dim]
     blocks = blocks.view(*lead, block_ids.shape[-1] * block_size, kv_heads, head_dim)
     return blocks.transpose(-3, -2)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCache,
+                    v_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
     """Causal self-attention of the step's tokens over their sequences' cached and new keys/values.
 
     Args:
         q: [T, num_heads, head_dim] queries (RoPE applied).
         k, v: [T, kv_heads, head_dim] new keys/values; written to the cache here.
-        k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] this layer's KV cache.
+        k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] this layer's KV cache (float, or int8).
         meta: step metadata (slot mapping, decode block tables, prefill chunks).
 
     Returns:
@@ -101,8 +114,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                          head_dim ** -0.5)
             continue
         qd = q[sl].view(g.count, kv_heads, gqa, head_dim)  # GQA group as that KV head's queries
-        kd = _gather(k_cache, g.block_table)  # [count, kv_heads, max_len, head_dim]
-        vd = _gather(v_cache, g.block_table)
+        kd = _gather(k_cache, g.block_table, q.dtype)  # [count, kv_heads, max_len, head_dim]
+        vd = _gather(v_cache, g.block_table, q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
         out[sl] = od.reshape(g.count, num_heads, head_dim)
     for p in meta.prefills:
@@ -114,8 +127,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
             kv_len = p.context_len + p.query_len
-            kp = _gather(k_cache, p.block_ids)[:, :kv_len].unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
-            vp = _gather(v_cache, p.block_ids)[:, :kv_len].unsqueeze(0)
+            kp = _gather(k_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
+            vp = _gather(v_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
         out[sl] = op[0].transpose(0, 1)
     return out

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from leanserve.kernels import paged_attention_ext
-from leanserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from leanserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
+from leanserve.quantization import check_kv_cache_dtype
+from leanserve.quantization.kv_cache import Int8KVCache
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
 
 import torch
@@ -27,13 +29,22 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
-def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int,
-                      dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V caches for every layer, each [num_blocks, block_size, kv_heads, head_dim].
+def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                      kv_cache_dtype: str = "auto") -> list[tuple[KVCache, KVCache]]:
+    """Zeroed K and V caches for every layer, each [num_blocks, block_size, kv_heads, head_dim]: float tensors of
+    ``dtype`` (default the model's), or :class:`Int8KVCache` when ``kv_cache_dtype == "int8"``.
 
     Zeroing matters: padding slots are read (then masked), and masked garbage NaNs would poison the output.
+
+    Raises:
+        UnsupportedQuantizationError: unknown ``kv_cache_dtype``.
     """
+    check_kv_cache_dtype(kv_cache_dtype)
     cfg = model.config
+    if kv_cache_dtype == "int8":
+        args = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(Int8KVCache.zeros(*args, device=model.device), Int8KVCache.zeros(*args, device=model.device))
+                for _ in range(cfg.num_layers)]
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype or model.dtype
     return [(torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
@@ -77,7 +88,7 @@ class ModelRunner:
     path then makes groups of one, no padding), so no sequence's arithmetic depends on its neighbours.
     """
 
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[KVCache, KVCache]], block_size: int,
                  sampler: Sampler, seed: int = 0, use_native_kernels: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -88,7 +99,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 caches on CPU
         k_cache = kv_caches[0][0] if kv_caches else None
-        if use_native_kernels and k_cache is not None and k_cache.device.type == "cpu" \
+        if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
                 and k_cache.dtype == torch.float32:
             ext = paged_attention_ext()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None

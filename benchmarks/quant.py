@@ -1,0 +1,135 @@
+"""Quantized vs unquantized, side by side in one run: decode tokens/s at batch 1 and 32, prefill tokens/s, for
+leanserve fp32 (``--quantization none``), int8 (per channel, re-quantized from the dequantized file) and int4
+(the file's native Q4_1, ``--quantization auto``), beside llama.cpp on the same GGUF file; plus the KV tokens the
+int8 cache holds in the memory of the fp32 one.
+
+The engines are measured round-robin (repeat 1 of every config, then repeat 2, ...) so that load from other
+processes on this shared machine hits them alike; medians are reported. Usage:
+    .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512] [--no-llama-cpp]
+Writes benchmarks/results/quant.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from leanserve import LLM, SamplingParams
+from leanserve.loader import load_model
+
+from benchmarks.common import corpus_text, find_llama_server, write_json
+
+CONFIGS = {"fp32": "none", "int8": "int8", "int4 (native Q4_1)": "auto"}
+
+
+def decode_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    """Decode tokens/s of ``len(prompts)`` concurrent requests: tokens after every request's first token, over the
+    time since the last first token."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params)
+    seen: set[str] = set()
+    t0, generated = None, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if t0 is not None:
+            generated += len(outs)
+        seen.update(o.request_id for o in outs)
+        if t0 is None and len(seen) == len(prompts):
+            t0 = time.perf_counter()
+    return generated / (time.perf_counter() - t0)
+
+
+def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
+    """Cold prefill tokens/s of one prompt (prefix cache reset first)."""
+    llm.engine.kv.pool.reset_prefix_cache()
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    return len(ids) / out.metrics.prefill_time
+
+
+def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int) -> dict:
+    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp) and ``llama-batched-bench`` (tg at 32)."""
+    server = find_llama_server(None)
+    if server is None:
+        return {"error": "llama.cpp binaries not found (run ../shared/tools/build-llama-cpp.sh)"}
+    bin_dir = Path(server).parent
+    res: dict = {}
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", str(prefill_tokens), "-n",
+                          str(decode_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=900)
+    for row in json.loads(out.stdout or "[]"):
+        key = "decode_b1_tok_s" if row.get("n_gen") else "prefill_tok_s"
+        res[key] = row["avg_ts"]
+    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", "2", "-c", "8192", "-b", "2048",
+                          "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32", "--output-format",
+                          "jsonl"], capture_output=True, text=True, timeout=900)
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            res["decode_b32_tok_s"] = row.get("speed_tg")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes of KV pool per engine")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/quant.json")
+    args = ap.parse_args()
+
+    loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
+    tok = loaded.tokenizer
+    ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
+    long_ids = ids[:args.prefill_tokens]
+    prompts = [ids[1000 + 16 * i:1000 + 16 * (i + 1)] for i in range(32)]
+    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory)
+            for name, q in CONFIGS.items()}
+    raw: dict[str, dict[str, list[float]]] = {n: {"decode_b1": [], "decode_b32": [], "prefill": []} for n in llms}
+    for llm in llms.values():  # warm-up
+        decode_tok_s(llm, prompts[:1], 4)
+    for rep in range(args.repeats):
+        for name, llm in llms.items():
+            raw[name]["decode_b1"].append(decode_tok_s(llm, prompts[:1], args.decode_tokens))
+            raw[name]["decode_b32"].append(decode_tok_s(llm, prompts, args.decode_tokens))
+            raw[name]["prefill"].append(prefill_tok_s(llm, long_ids))
+            print(f"repeat {rep + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in raw[name].items()),
+                  flush=True)
+    results = {n: {f"{k}_tok_s": statistics.median(v) for k, v in r.items()} for n, r in raw.items()}
+    for name, llm in llms.items():
+        results[name]["weight_bytes"] = llm.engine.model.weight_bytes()
+    kv32 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory).engine
+    kv8 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory, kv_cache_dtype="int8").engine
+    kv = {"memory_bytes": args.kv_cache_memory, "fp32_tokens": kv32.kv.num_tokens_capacity(),
+          "int8_tokens": kv8.kv.num_tokens_capacity()}
+    kv["ratio"] = kv["int8_tokens"] / kv["fp32_tokens"]
+    peer = {} if args.no_llama_cpp else llama_cpp(loaded.path, args.decode_tokens, args.prefill_tokens)
+
+    base = results["fp32"]
+    print(f"\n{'engine':<22}{'decode b1':>11}{'decode b32':>12}{'prefill':>10}{'b32 vs fp32':>13}{'weights MB':>12}")
+    for name, r in results.items():
+        print(f"{name:<22}{r['decode_b1_tok_s']:>11.1f}{r['decode_b32_tok_s']:>12.1f}{r['prefill_tok_s']:>10.1f}"
+              f"{r['decode_b32_tok_s'] / base['decode_b32_tok_s']:>12.2f}x{r['weight_bytes'] / 1e6:>12.1f}")
+    if "decode_b1_tok_s" in peer:
+        print(f"{'llama.cpp Q4_1':<22}{peer['decode_b1_tok_s']:>11.1f}{peer.get('decode_b32_tok_s') or 0:>12.1f}"
+              f"{peer.get('prefill_tok_s', 0):>10.1f}")
+        ratio = results["int4 (native Q4_1)"]["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
+        print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 0.75x)")
+        peer["leanserve_q4_1_b1_ratio"] = ratio
+    else:
+        print(f"llama.cpp: {peer}")
+    print(f"KV cache in {kv['memory_bytes'] >> 20} MiB: fp32 {kv['fp32_tokens']} tokens, int8 {kv['int8_tokens']} "
+          f"tokens ({kv['ratio']:.2f}x; target >= 3.5x)")
+    write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,
+                          "kv_cache": kv})
+
+
+if __name__ == "__main__":
+    main()

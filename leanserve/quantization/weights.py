@@ -1,0 +1,260 @@
+"""Weight-only quantized matrices and their matmuls (gpt-fast style: the model swaps a float weight for one of these).
+
+* :class:`Int8Weight` -- int8 codes with a scale per output row (symmetric per channel), or per group of input
+  columns (GGUF Q8_0: groups of 32).
+* :class:`Int4Weight` -- 4-bit codes in torch's CPU packed layout with a scale and a zero point per group of
+  32, 64 or 128 input columns: ``w = (q - 8) * scale + zero`` (the convention of ``_weight_int4pack_mm_for_cpu``).
+* :class:`GroupQuantized` -- the exact, unpacked form of a GGUF Q4_0 / Q4_1 / Q8_0 tensor as the loader reads it;
+  :func:`pack_group_quantized` turns it into one of the above without re-quantizing.
+
+Kernel choice (measured on this 2-core AVX2 CPU, see ``benchmarks/quant.py`` and ``../shared/MACHINE-NOTES.md``):
+torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` are fast only with bf16 activations, and with
+bf16 activations they were as fast as or faster than the fp32 BLAS GEMM at every batch size measured (1..512 rows;
+e.g. a 3072x576 matrix at 32 rows: int4 3.4 ms, int8 4.4 ms, fp32 ~35 ms under load). So activations are rounded
+to bf16 for the packed kernels at every batch size, and their bf16 output is returned as float32. Per-group int8
+(Q8_0) has no torch kernel: it is dequantized per call (correct, memory-saving, slow).
+
+Numerics: scales and zero points are stored in bf16 (the kernels require it), and quantization from float rounds
+them to bf16 *before* choosing the codes, so :meth:`dequantize` is exactly what the kernel multiplies by. The matmul
+then differs from ``x @ dequantize().T`` in fp32 only by the bf16 rounding of the activations and of the output
+(unit roundoff 2**-8 each): ``|y - ref| <= 2**-7 * (|x| @ |W|.T)`` elementwise, up to fp32 summation error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from leanserve.errors import UnsupportedQuantizationError
+from leanserve.quantization.int4_pack import pack_int4, unpack_int4
+
+import torch
+
+
+@dataclass
+class Int8Weight:
+    """An int8 weight-only matrix, ``w[n, k] = qweight[n, k] * scales[n, k // group_size]``.
+
+    Attributes:
+        qweight: [out, in] int8 codes (-127..127 when quantized here).
+        scales: [out] bf16 per-channel scales when ``group_size == in``; else [out, in // group_size] float32.
+        group_size: input columns per scale (``in`` = per channel).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        return tuple(self.qweight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales."""
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Int8Weight:
+        """Symmetric per-output-channel int8 (gpt-fast's ``WeightOnlyInt8``): scale = max|w_row| / 127, rounded
+        to bf16 first; codes = round(w / scale). w: [out, in] float."""
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scales.contiguous(), w.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] matrix the codes and scales represent."""
+        out, k = self.shape
+        if self.group_size == k:
+            return self.qweight.float() * self.scales.float()[:, None]
+        q = self.qweight.float().view(out, k // self.group_size, self.group_size)
+        return (q * self.scales.float()[..., None]).view(out, k)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` for x [M, in] float: [M, out] in x's dtype (see the module notes on precision)."""
+        if self.group_size == self.shape[1]:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
+            return y.to(x.dtype)
+        return torch.nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
+
+
+@dataclass
+class Int4Weight:
+    """A 4-bit group-wise weight-only matrix in torch's CPU packed layout: ``w = (q - 8) * scale + zero``.
+
+    Attributes:
+        packed: [out, in // 2] uint8 (see :mod:`leanserve.quantization.int4_pack`).
+        scales_and_zeros: [in // group_size, out, 2] bf16: (scale, zero) per group and output row.
+        group_size: input columns per group (32, 64 or 128).
+        in_features: input width.
+    """
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        return (self.packed.shape[0], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed codes, scales and zeros."""
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+        """Build from codes [out, in] (0..15) and float scale, zero [out, in // group_size] (rounded to bf16).
+
+        Raises:
+            UnsupportedQuantizationError: ``in`` is not a multiple of ``group_size``.
+        """
+        out, k = codes.shape
+        if k % group_size:
+            raise UnsupportedQuantizationError(
+                "quantization_group_size", f"int4 group size {group_size} does not divide the input width {k}")
+        sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
+        return cls(pack_int4(codes), sz.transpose(0, 1).contiguous(), group_size, k)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+        """Asymmetric min/max 4-bit quantization per group of ``group_size`` inputs (gpt-fast's
+        ``group_quantize_tensor``): scale = (max - min) / 15 and zero = min + 8 * scale, both rounded to bf16;
+        codes = clamp(round((w - zero) / scale) + 8, 0, 15). w: [out, in] float.
+
+        Raises:
+            UnsupportedQuantizationError: ``in`` is not a multiple of ``group_size``.
+        """
+        out, k = w.shape
+        if k % group_size:
+            raise UnsupportedQuantizationError(
+                "quantization_group_size", f"int4 group size {group_size} does not divide the input width {k}")
+        wg = w.float().reshape(out, k // group_size, group_size)
+        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = torch.round((wg - zero[..., None]) / scale[..., None]) + 8
+        return cls.from_codes(q.clamp(0, 15).reshape(out, k), scale, zero, group_size)
+
+    def codes(self) -> torch.Tensor:
+        """The codes [out, in] uint8 (0..15), unpacked. Raises ValueError when ``out % 64`` (see int4_pack)."""
+        return unpack_int4(self.packed)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] matrix the kernel multiplies by. Raises ValueError when ``out % 64``."""
+        out, k = self.shape
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # [out, groups, 2]
+        q = self.codes().float().view(out, k // self.group_size, self.group_size)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(out, k)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` for x [M, in] float: [M, out] in x's dtype (see the module notes on precision)."""
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+@dataclass
+class GroupQuantized:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 matrix unpacked without loss: ``w = scale * (codes - offset) + bias`` per group.
+
+    The arithmetic is that of gguf-py's ``dequantize_blocks`` (float32), so :meth:`dequantize` equals it bit for
+    bit. Rows can be reordered or concatenated (whole rows with their scales) without changing that.
+
+    Attributes:
+        codes: [out, in] uint8 (4-bit: 0..15) or int8 (Q8_0).
+        scale: [out, in // group_size] float32 (GGUF's fp16 ``d``, widened).
+        bias: [out, in // group_size] float32 (Q4_1's ``m``) or None.
+        offset: subtracted from the codes: 8 for Q4_0, else 0.
+        bits: 4 or 8.
+        group_size: input columns per group (32 for these types).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    offset: int
+    bits: int
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        return tuple(self.codes.shape)
+
+    def kind(self) -> tuple[int, int, bool, int]:
+        """What must match for two of these to be concatenated: (bits, offset, has bias, group size)."""
+        return (self.bits, self.offset, self.bias is not None, self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], bit-identical to gguf-py's dequantization."""
+        out, k = self.shape
+        q = self.codes.to(torch.int16) - self.offset if self.offset else self.codes
+        q = q.float().view(out, k // self.group_size, self.group_size)
+        w = self.scale[..., None] * q if self.bits == 4 else q * self.scale[..., None]
+        if self.bias is not None:
+            w = w + self.bias[..., None]
+        return w.view(out, k)
+
+    @staticmethod
+    def cat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
+        """Stack matrices of the same :meth:`kind` along the output rows (fusing q/k/v or gate/up).
+
+        Raises:
+            ValueError: the parts differ in kind or input width.
+        """
+        if len({p.kind() for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("cannot concatenate GGUF tensors of different quantization types or widths")
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        first = parts[0]
+        return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias,
+                              first.offset, first.bits, first.group_size)
+
+
+def pack_group_quantized(g: GroupQuantized) -> QuantizedWeight:
+    """The packed weight holding ``g``'s codes unchanged: 4-bit -> :class:`Int4Weight` with scale = d and
+    zero = m + 8d (Q4_1) or 0 (Q4_0, whose offset is already 8); Q8_0 -> per-group :class:`Int8Weight`.
+
+    Q4_1's ``w = d*q + m`` equals the kernel's ``(q - 8) * d + (m + 8d)``; the only change is the rounding of
+    scale and zero to bf16 (relative 2**-8: for |q - 8| <= 8 at most 1/32 of a quantization step, plus 2**-8 |zero|).
+    """
+    if g.bits == 8:
+        return Int8Weight(g.codes.to(torch.int8).contiguous(), g.scale.contiguous(), g.group_size)
+    if g.offset == 8 and g.bias is None:
+        zero = torch.zeros_like(g.scale)
+    elif g.offset == 0 and g.bias is not None:
+        zero = g.bias + 8 * g.scale
+    else:
+        raise ValueError(f"no int4 layout for offset {g.offset} with bias={g.bias is not None}")
+    return Int4Weight.from_codes(g.codes, g.scale, zero, g.group_size)
+
+
+def quantize_weight(w: torch.Tensor | GroupQuantized, method: str, group_size: int = 32
+                    ) -> torch.Tensor | QuantizedWeight:
+    """The weight ``linear`` will use under ``method`` (see leanserve.quantization.QUANTIZATION_METHODS).
+
+    ``auto`` packs a :class:`GroupQuantized` natively and leaves float tensors alone; ``none`` dequantizes;
+    ``int8`` / ``int4`` quantize from float, except that a 4-bit GGUF tensor with a matching group size is packed
+    natively under ``int4`` (re-quantizing it could only lose).
+
+    Raises:
+        UnsupportedQuantizationError: unknown method, or a group size that does not divide the input width.
+    """
+    if method == "auto":
+        return pack_group_quantized(w) if isinstance(w, GroupQuantized) else w
+    if method == "int4" and isinstance(w, GroupQuantized) and w.bits == 4 and w.group_size == group_size:
+        return pack_group_quantized(w)
+    dense = w.dequantize() if isinstance(w, GroupQuantized) else w
+    if method == "none":
+        return dense
+    if method == "int8":
+        return Int8Weight.from_float(dense)
+    if method == "int4":
+        return Int4Weight.from_float(dense, group_size)
+    raise UnsupportedQuantizationError("quantization", f"unsupported quantization {method!r}")

@@ -1,0 +1,1 @@
+"""Tools over the engine: ``plan`` (memory arithmetic) and ``eval`` (the quality gate for quantization)."""

@@ -1,0 +1,174 @@
+"""``leanserve plan``: weight memory at each precision, KV bytes per token at each KV dtype, and what fits.
+
+Arithmetic only (nothing is loaded): parameter counts come from the architecture (:func:`expected_weight_shapes`),
+weights take ``params x bits / 8`` bytes (the nominal figure of the "7B model: 14 GB fp16, 7 GB int8, 3.5 GB int4"
+rule of thumb), plus the scales leanserve stores beside quantized weights (int8: a bf16 scale per output row; int4:
+a bf16 scale and zero per group). KV bytes per token are ``2 x layers x KV heads x head dim x bytes`` (+ an fp32
+scale per token and KV head for int8). For a device memory budget the KV pool is what is left after the weights and
+a reserve for activations; it holds ``pool // kv_bytes_per_token`` tokens, i.e. that many concurrent tokens, or
+``tokens // max_model_len`` sequences of full length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from leanserve.config import ModelConfig
+from leanserve.errors import ModelLoadError
+from leanserve.loader.base import expected_weight_shapes
+from leanserve.quantization.kv_cache import kv_bytes_per_token
+
+# name -> (bits per weight, scale bytes per group, group size in input columns; 0 = per output row)
+WEIGHT_PRECISIONS: dict[str, tuple[int, int, int]] = {
+    "fp32": (32, 0, 0),
+    "fp16": (16, 0, 0),
+    "int8": (8, 2, 0),
+    "int4": (4, 4, 32),
+}
+KV_DTYPES = {"fp32": ("auto", "float32"), "fp16": ("auto", "float16"), "int8": ("int8", "float32")}
+
+
+@dataclass
+class WeightPlan:
+    """Weight memory at one precision (bytes)."""
+
+    precision: str
+    params: int  # weights counted (all matrices and norms)
+    nominal_bytes: int  # params x bits / 8
+    total_bytes: int  # nominal + quantization scales (norms kept in fp32 are not split out: they are tiny)
+
+
+@dataclass
+class FitPlan:
+    """What fits in ``device_bytes`` for one (weight precision, KV dtype) pair."""
+
+    precision: str
+    kv_dtype: str
+    kv_bytes_per_token: int
+    kv_pool_bytes: int  # device memory - weights - reserve (0 when negative)
+    max_tokens: int  # tokens the pool holds, shared by all running sequences
+    max_model_len: int
+    fits: bool  # the weights fit and at least one max_model_len sequence fits
+    max_concurrent_seqs: int  # full-length sequences at once
+    spare_tokens: int  # tokens left after one full-length sequence (0 if it does not fit)
+
+
+def config_from_path(path: str) -> ModelConfig:
+    """The architecture of a GGUF file (metadata only), an HF ``config.json`` or a folder holding one.
+
+    Raises:
+        ModelLoadError: the path is missing or is none of these.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"no model file or config.json at {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        from leanserve.loader.gguf_loader import gguf_model_config
+        from leanserve.loader.gguf_tensors import open_gguf
+
+        return gguf_model_config(open_gguf(path))
+    from leanserve.loader.hf_loader import hf_model_config
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return hf_model_config(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a JSON config: {exc}") from exc
+
+
+def weight_plan(config: ModelConfig, precision: str) -> WeightPlan:
+    """Weight bytes of ``config`` at ``precision`` (a key of :data:`WEIGHT_PRECISIONS`).
+
+    Raises:
+        KeyError: unknown precision.
+    """
+    bits, scale_bytes, group = WEIGHT_PRECISIONS[precision]
+    params = nominal = scales = 0
+    for shape in expected_weight_shapes(config).values():
+        n = math.prod(shape)
+        params += n
+        nominal += n * bits // 8
+        if len(shape) == 2 and scale_bytes:
+            rows, cols = shape
+            scales += rows * (cols // group if group else 1) * scale_bytes
+    return WeightPlan(precision, params, nominal, nominal + scales)
+
+
+def fit_plan(config: ModelConfig, precision: str, kv_dtype: str, device_bytes: int, max_model_len: int | None = None,
+             reserve_bytes: int = 0) -> FitPlan:
+    """How many tokens of KV cache fit beside the weights in ``device_bytes`` (see the module docstring).
+
+    Args:
+        precision: weight precision (:data:`WEIGHT_PRECISIONS`). kv_dtype: "fp32", "fp16" or "int8".
+        device_bytes: memory of the device (bytes). max_model_len: tokens per sequence (default: the model's).
+        reserve_bytes: kept free for activations and the runtime (bytes).
+    """
+    weights = weight_plan(config, precision).total_bytes
+    kv_name, model_dtype = KV_DTYPES[kv_dtype]
+    per_token = kv_bytes_per_token(config, kv_name, model_dtype)
+    pool = max(0, device_bytes - weights - reserve_bytes)
+    tokens = pool // per_token
+    length = max_model_len or config.max_position_embeddings
+    fits = tokens >= length
+    return FitPlan(precision, kv_dtype, per_token, pool, tokens, length, fits, tokens // length,
+                   tokens - length if fits else 0)
+
+
+def plan_report(config: ModelConfig, device_bytes: int | None, max_model_len: int | None = None,
+                reserve_bytes: int = 0) -> dict:
+    """Everything ``leanserve plan`` prints, as plain data (JSON-serializable)."""
+    report: dict = {
+        "config": asdict(config),
+        "weights": [asdict(weight_plan(config, p)) for p in WEIGHT_PRECISIONS],
+        "kv_bytes_per_token": {k: kv_bytes_per_token(config, *KV_DTYPES[k]) for k in KV_DTYPES},
+    }
+    if device_bytes is not None:
+        report["device_bytes"] = device_bytes
+        report["fit"] = [asdict(fit_plan(config, p, k, device_bytes, max_model_len, reserve_bytes))
+                         for p in WEIGHT_PRECISIONS for k in KV_DTYPES]
+    return report
+
+
+def parse_bytes(text: str) -> int:
+    """"24GB" / "24GiB" / "512MB" / "1e9" -> bytes (GB = 1e9, GiB = 2**30).
+
+    Raises:
+        ValueError: unparseable text.
+    """
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1}
+    t = text.strip().lower()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(float(t))
+
+
+def format_report(report: dict) -> str:
+    """The human-readable tables of :func:`plan_report`."""
+    cfg = report["config"]
+    gb = 1e9
+    lines = [f"model: {cfg['architecture']}, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+             f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, "
+             f"context {cfg['max_position_embeddings']}", "",
+             f"{'weights':<8}{'params':>16}{'nominal GB':>12}{'with scales GB':>16}{'GiB':>8}"]
+    for w in report["weights"]:
+        lines.append(f"{w['precision']:<8}{w['params']:>16,}{w['nominal_bytes'] / gb:>12.2f}"
+                     f"{w['total_bytes'] / gb:>16.2f}{w['total_bytes'] / 2**30:>8.2f}")
+    lines += ["", "KV cache bytes per token (2 x layers x KV heads x head dim x bytes):"]
+    lines += [f"  {k:<6}{v:>10,} B" for k, v in report["kv_bytes_per_token"].items()]
+    if "fit" in report:
+        lines += ["", f"device memory {report['device_bytes'] / gb:.2f} GB:",
+                  f"{'weights':<8}{'kv':<6}{'KV pool GB':>11}{'max tokens':>12}{'max_model_len':>14}{'fits':>6}"
+                  f"{'full seqs':>10}{'spare tokens':>13}"]
+        for f in report["fit"]:
+            lines.append(f"{f['precision']:<8}{f['kv_dtype']:<6}{f['kv_pool_bytes'] / gb:>11.2f}{f['max_tokens']:>12,}"
+                         f"{f['max_model_len']:>14,}{'yes' if f['fits'] else 'no':>6}{f['max_concurrent_seqs']:>10,}"
+                         f"{f['spare_tokens']:>13,}")
+    return "\n".join(lines)
