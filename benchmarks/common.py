@@ -47,6 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll ``url/health`` every 0.5 s until it answers 200 (True), the process exits or ``timeout`` seconds pass
+    (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 class LlamaServer:
     """llama.cpp's ``llama-server`` on loopback, as a context manager.
 
@@ -67,17 +81,10 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {' '.join(self.cmd)}")
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy in 120 s")
+        if not wait_healthy(self.url, self.proc, 120):
+            self.__exit__()
+            raise RuntimeError(f"llama-server did not become healthy in 120 s: {' '.join(self.cmd)}")
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.proc:
@@ -105,18 +112,10 @@ class LeanserveServer:
         root = Path(__file__).resolve().parents[1]
         self.proc = subprocess.Popen(self.cmd, cwd=root, env=self.env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"leanserve exited: {' '.join(self.cmd)}")
-            time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError("leanserve did not become healthy in 300 s")
+        if not wait_healthy(self.url, self.proc, 300):
+            self.__exit__()
+            raise RuntimeError(f"leanserve did not become healthy in 300 s: {' '.join(self.cmd)}")
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:

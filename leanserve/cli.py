@@ -176,12 +176,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanserve", description="A lean LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: any free port)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
     serve.add_argument("--served-model-name", default=None, help="model name of the API (default: the file name)")
     serve.add_argument("--max-waiting", type=int, default=1024,

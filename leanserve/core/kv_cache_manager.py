@@ -30,9 +30,14 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_caching: turn prefix caching on.
+        min_uncached_tokens: a prefix hit leaves at least this many of a request's tokens to compute (at least
+            the last one, whose logits are needed; the engine asks for a few more so that the recomputed tail runs
+            through the same kernels as a cold prefill and gives bitwise the same result).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 min_uncached_tokens: int = 1) -> None:
+        self.min_uncached_tokens = max(1, min_uncached_tokens)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
@@ -64,14 +69,15 @@ class KVCacheManager:
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole blocks, leaving at least its last token to compute.
+        """Longest cached prefix of the request, in whole blocks, leaving at least ``min_uncached_tokens`` of its
+        tokens (always the last one) to compute.
 
         Returns:
             (blocks, num_tokens): the cached blocks and the number of tokens they cover.
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token's logits must be computed
+        max_blocks = max(0, request.num_tokens - self.min_uncached_tokens) // self.block_size
         hits: list[KVCacheBlock] = []
         for h in self._block_hashes(request, max_blocks):
             block = self.pool.lookup(h)

@@ -72,11 +72,13 @@ class Scheduler:
         long_prefill_token_threshold: prompts longer than this (tokens) are "long" and advance at most this many
             tokens per step; None: no limit.
         max_long_partial_prefills: long prompts allowed in prefill at the same time.
+        min_chunk_tokens: prefill chunks are not cut shorter than this, nor leave a shorter last piece, unless the
+            budget forces it (a piece of only a few tokens would round differently from a longer chunk).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int | None,
                  max_model_len: int, policy: str = "fcfs", long_prefill_token_threshold: int | None = None,
-                 max_long_partial_prefills: int = 1) -> None:
+                 max_long_partial_prefills: int = 1, min_chunk_tokens: int = 1) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}; use 'fcfs' or 'priority'")
         self.kv = kv
@@ -86,6 +88,7 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.min_chunk_tokens = min_chunk_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -207,7 +210,15 @@ class Scheduler:
         """Tokens to compute now for a request with ``remaining`` uncomputed tokens and ``budget`` left in the
         step."""
         n = min(remaining, budget)
-        return self.long_prefill_token_threshold if self._is_long(n) else n
+        if self._is_long(n):
+            n = self.long_prefill_token_threshold
+        left = remaining - n
+        if 0 < left < self.min_chunk_tokens:  # no short last piece
+            if remaining <= budget:
+                n = remaining  # finish now, a little over the long-prompt threshold
+            elif n - (self.min_chunk_tokens - left) >= self.min_chunk_tokens:
+                n -= self.min_chunk_tokens - left
+        return n
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
         """Advance the scheduled requests by the step's results.

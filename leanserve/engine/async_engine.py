@@ -6,8 +6,10 @@ Threading model:
   abort) to a list guarded by one ``threading.Condition`` and notify it.
 - The thread loops: take the pending commands, apply them, publish a stats snapshot, run one ``step()``
   while there is work, publish again, hand the outputs to the observers (metrics) and then to the requests'
-  event loops with one ``loop.call_soon_threadsafe`` per loop per step. With no work and no commands it sleeps
-  on the condition (no busy spin).
+  event loops with one ``loop.call_soon_threadsafe`` per loop per step, and waits (at most ``_FLUSH_WAIT_S``)
+  until each loop has run the woken request tasks, so tokens reach the clients before the next step takes the
+  CPU (else on a busy machine the clients' TTFT/ITL trail the engine's by a step). With no work and no commands
+  it sleeps on the condition (no busy spin).
 - Each request has a :class:`RequestStream`: an ``asyncio.Queue`` of :class:`RequestOutput` on the caller's
   loop. Cancelling the coroutine that waits on it (client disconnect) or closing it early queues an abort,
   which the thread applies before its next step: the request stops within one step and its KV blocks are freed.
@@ -33,6 +35,8 @@ from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Longest wait (seconds) for an event loop to send a step's tokens before the engine thread starts the next step.
+_FLUSH_WAIT_S = 0.05
 
 
 class QueueFullError(LeanserveError):
@@ -286,7 +290,7 @@ class AsyncEngine:
                     outputs = engine.step()
                     with self._cond:
                         self._publish_stats()
-                    self._dispatch(outputs)
+                    self._wait_flushed(self._dispatch(outputs))
                     has_work = engine.has_unfinished_requests()
                 if stopping and not has_work:
                     break
@@ -344,9 +348,10 @@ class AsyncEngine:
         stats = self.engine.get_stats()
         self._stats = AsyncEngineStats(stats, stats.num_waiting, stats.num_running, stats.kv_cache_usage)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> list[asyncio.AbstractEventLoop]:
+        """Hand ``outputs`` to the metrics observers and to their requests' loops; returns the loops used."""
         if not outputs:
-            return
+            return []
         for out in outputs:
             if out.finished:
                 self._active.discard(out.request_id)
@@ -361,13 +366,28 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream._loop, []).append(out)
+        used = []
         for loop, outs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._deliver, outs)
+                used.append(loop)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 for out in outs:
                     if out.finished:
                         self._streams.pop(out.request_id, None)
+        return used
+
+    @staticmethod
+    def _wait_flushed(loops: list[asyncio.AbstractEventLoop]) -> None:
+        """Block (up to ``_FLUSH_WAIT_S`` per loop) until each loop has run what the last delivery woke: the
+        marker goes through two more rounds of the loop's ready queue, after the tasks the queues woke."""
+        for loop in loops:
+            done = threading.Event()
+            try:
+                loop.call_soon_threadsafe(lambda lp=loop, ev=done: lp.call_soon(lp.call_soon, ev.set))
+            except RuntimeError:
+                continue
+            done.wait(_FLUSH_WAIT_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Runs on the requests' event loop."""

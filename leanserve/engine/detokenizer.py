@@ -74,8 +74,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Release all held-back text: the request ended for another reason (length, EOS, abort).
 
-        Returns what ``tokenizer.decode`` gives for the tail, even an incomplete UTF-8 character (as
-        U+FFFD), still cut at a stop string should one occur in it.
+        Returns what ``tokenizer.decode`` gives for the tail, still cut at a stop string should one occur in it;
+        an incomplete UTF-8 character at the very end (generation stopped inside it) is dropped, never shown as
+        U+FFFD.
         """
         if self.finished:
             return ""
@@ -89,6 +90,8 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
         new_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        if final:
+            new_text = new_text.rstrip("\ufffd")  # bytes of a character the generation never finished
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             self._text += new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset

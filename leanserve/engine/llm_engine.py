@@ -17,6 +17,7 @@ from leanserve.core.scheduler import Scheduler
 from leanserve.engine.output_processor import OutputProcessor, ParentState
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.loader import LoadedModel, load_model
+from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
 from leanserve.quantization import check_kv_cache_dtype, check_quantization
@@ -108,7 +109,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory={mem} bytes holds no block of "
                                         f"{config.block_size} tokens ({bytes_per_token} bytes per token)")
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 min_uncached_tokens=PREFILL_MIN_ROWS)
         if num_blocks * config.block_size < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
                            num_blocks * config.block_size, self.max_model_len)
@@ -116,7 +118,8 @@ class LLMEngine:
         if threshold is None:
             threshold = 2048 if self.device.type == "cuda" else 256
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None)
+                                   policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None,
+                                   min_chunk_tokens=PREFILL_MIN_ROWS)
         kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size,
                                       kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
@@ -192,6 +195,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be below the vocabulary size {vocab}")
         prompt_ids = self.tokenize_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -30,6 +30,14 @@ import torch.nn.functional as F
 
 KVCache = torch.Tensor | Int8KVCache  # one layer's K or V: [num_blocks, block_size, kv_heads, head_dim]
 
+# Prefill chunks of at least this many tokens give every row bitwise the same result whatever the chunk's length
+# and context (a 1-token piece would run as a decode, and NumPy's BLAS rounds 1-2-row products differently; the
+# attention's query padding, _padded_queries, does the rest): the engine keeps prefix-cache tails and chunked-prefill
+# pieces at least this long, so a prompt's output does not depend on what was cached or how it was chunked
+# (tests/engine/test_prefix_cache_exact.py).
+PREFILL_MIN_ROWS = 8
+_Q_ROWS_MULTIPLE = 32  # prefill queries are padded to a multiple of this many rows (see _padded_queries)
+
 
 @dataclass
 class PrefillChunk:
@@ -120,7 +128,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[sl] = od.reshape(g.count, num_heads, head_dim)
     for p in meta.prefills:
         sl = slice(p.query_start, p.query_start + p.query_len)
-        qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+        qp = _padded_queries(q[sl])  # [1, num_heads, q_len rounded up to _Q_ROWS_MULTIPLE, head_dim]
         if p.context_len == 0:
             kp = k[sl].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
             vp = v[sl].transpose(0, 1).unsqueeze(0)
@@ -129,6 +137,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kv_len = p.context_len + p.query_len
             kp = _gather(k_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
             vp = _gather(v_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
-        out[sl] = op[0].transpose(0, 1)
+            mask = torch.cat([p.mask, p.mask.new_ones(qp.shape[2] - p.query_len, kv_len)])  # padding rows: any
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+        out[sl] = op[0, :, : p.query_len].transpose(0, 1)
+    return out
+
+
+def _padded_queries(q: torch.Tensor) -> torch.Tensor:
+    """Queries [n, heads, head_dim] as a contiguous [1, heads, m, head_dim] copy, zero rows appended up to
+    m = n rounded up to ``_Q_ROWS_MULTIPLE``.
+
+    torch's CPU flash attention splits the queries into blocks of 32, 64 or 256 rows, and a block of fewer than
+    4 rows rounds differently; with whole multiples of 32 rows every block is full, so a query row's result does
+    not depend on how long its chunk was (a prefix-cache tail equals the cold prefill bitwise). Padding rows attend
+    to valid keys (causal: the first ones) and are dropped.
+    """
+    n, heads, head_dim = q.shape
+    m = -(-n // _Q_ROWS_MULTIPLE) * _Q_ROWS_MULTIPLE
+    out = q.new_zeros(1, heads, m, head_dim)
+    out[0, :, :n] = q.transpose(0, 1)
     return out

@@ -62,6 +62,9 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
     r3 = make_request("c", list(range(4)) + [99] * 8)
     hits3, n3 = kv.get_computed_blocks(r3)
     assert n3 == 4 and hits3[0] is hits[0]
+    # leaving at least 5 tokens to compute: one block fewer
+    kv.min_uncached_tokens = 5
+    assert kv.get_computed_blocks(r2)[1] == 4
 
 
 def test_allocate_fails_without_side_effects_and_free_restores():

@@ -153,3 +153,19 @@ def test_long_prompt_is_chunked_beside_a_single_running_request():
     s.add_request(req("long", 300))
     out, _ = run_step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("short", 1), ("long", 64)]
+
+
+def test_chunks_leave_no_short_last_piece():
+    """With min_chunk_tokens, a chunked prompt never ends in a piece of a few tokens (they would round
+    differently from a longer chunk); the budget is respected."""
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=2000,
+                  long_prefill_token_threshold=64, min_chunk_tokens=8)
+    s.add_request(req("a", 66))  # 64 + 2 would leave 2: finish in one step instead
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 66)]
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=50, max_model_len=2000, min_chunk_tokens=8)
+    s.add_request(req("b", 53))  # the budget forbids 53 at once: 45 now, 8 next
+    sizes = [x.num_new_tokens for _ in range(2) for x in run_step(s)[0].scheduled]
+    assert sizes == [45, 8]

@@ -12,12 +12,7 @@ SERVER_MAX_MODEL_LEN = 512
 @pytest.fixture(scope="session")
 def server():
     """The shared server: default model, 256 MiB KV cache, C = 512, an API key (clients send it)."""
-    # fp32 weights: these tests compare a request with its repeat (streamed vs not, n choices), which must then be
-    # bitwise identical. With the default --quantization auto (int4 kernels, bf16 activations) a repeat that hits
-    # the prefix cache takes a different attention path whose ~1e-7 differences bf16 rounding amplifies into
-    # different greedy tokens on near-ties (3 of these tests fail that way).
-    srv = ServerProcess(["--kv-cache-memory", str(256 << 20), "--max-model-len", str(SERVER_MAX_MODEL_LEN),
-                         "--quantization", "none"]).start()
+    srv = ServerProcess(["--kv-cache-memory", str(256 << 20), "--max-model-len", str(SERVER_MAX_MODEL_LEN)]).start()
     yield srv
     status = srv.stop()
     assert status == 0, f"server exit status {status}\n{srv.stderr()}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import _INVARIANT_MIN_ROWS, linear, numpy_blas_enabled
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 # (out, in) of the default model's matmuls: fused qkv, o, fused gate/up, down, and the output head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -33,3 +35,19 @@ def test_padded_linear_rows_equal_batched_rows():
         assert alone.shape == (t, 960) and torch.equal(alone, batched[:t])
     # without padding a lone row goes through gemv: same values up to rounding, not bitwise
     torch.testing.assert_close(linear(x[:1], w, b), batched[:1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [18, 300])
+def test_attention_rows_of_a_chunk_of_min_rows_equal_a_full_prefill(length):
+    """The recomputed tail of a prefix-cache hit (>= PREFILL_MIN_ROWS query rows over the gathered cache) gives
+    bitwise the rows of a cold causal prefill (a 1-3-row tail does not: torch takes another kernel)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, length, 64, generator=g)
+    kv_mem = torch.randn(2, length, 3, 64, generator=g)  # the cache's [tokens, kv_heads, head_dim] layout
+    k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv_mem)  # [1, kv_heads, tokens, head_dim] views
+    cold = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), is_causal=True, enable_gqa=True)
+    pos = torch.arange(length)
+    mask = pos[None, :] <= pos[:, None]
+    for tail in (PREFILL_MIN_ROWS, PREFILL_MIN_ROWS + 1, 17):
+        part = F.scaled_dot_product_attention(q[:, :, -tail:], k, v, attn_mask=mask[-tail:], enable_gqa=True)
+        assert torch.equal(part, cold[:, :, -tail:]), tail

@@ -14,6 +14,8 @@ import logging
 import os
 import secrets
 import shlex
+import socket
+import sys
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -226,6 +228,12 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
+    try:  # before the model loads, so that a taken port or a bad address fails at once
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((args.host, args.port), family=family)
+    except (OSError, OverflowError) as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
     llm_engine = LLMEngine(engine_config(args))
     engine = AsyncEngine(llm_engine, max_waiting=args.max_waiting)
     name = args.served_model_name or default_served_model_name(llm_engine.model_path)
@@ -236,7 +244,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = LeanserveServer(config, engine,
                              lambda port: _banner(args.host, port, name, llm_engine.max_model_len, args.api_key))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     print("leanserve: server stopped", flush=True)

@@ -47,8 +47,23 @@ class TextContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart] | None = None  # None only for an assistant message
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_content(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        content = data.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"content part of type {kind!r} is not supported: only text parts are")
+        if data.get("role") != "assistant" and (content is None or content == []):
+            raise ValueError(f"a {data.get('role')} message needs content (a string or text parts)")
+        return data
 
     def to_template_dict(self) -> dict[str, Any]:
         """The dict the chat template sees: role (developer as system) and content as one string."""
