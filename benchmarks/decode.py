@@ -1,4 +1,5 @@
-"""Single-stream decode and prefill speed: leanserve (fp32, bf16) beside transformers' generate (fp32).
+"""Single-stream decode and prefill speed: leanserve (fp32, bf16, and the default native 4-bit weights) beside
+transformers' generate (fp32).
 
 Same model file, same prompts, same run (transformers in a fresh subprocess); results as ratios. Usage:
     .venv/bin/python benchmarks/decode.py [--decode-tokens 128] [--prefill-tokens 512] [--repeats 3]
@@ -80,10 +81,12 @@ def main() -> None:
                             add_special_tokens=False)
     long_ids = tok.encode(TEXT * 40)[: args.prefill_tokens]
     results: dict[str, dict] = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(loaded=loaded, dtype=dtype, kv_cache_memory=256 << 20)
-        results[f"leanserve {dtype}"] = leanserve_run(llm, prompt_ids, long_ids, args.decode_tokens, args.repeats)
-        results[f"leanserve {dtype}"]["load_s"] = loaded.load_time_s
+    quantized = load_model(args.model, quantization="auto")  # a GGUF file's native 4/8-bit weights, as served
+    for name, weights, dtype in (("float32", loaded, "float32"), ("bfloat16", loaded, "bfloat16"),
+                                 ("auto (native 4-bit)", quantized, "float32")):
+        llm = LLM(loaded=weights, dtype=dtype, kv_cache_memory=256 << 20)
+        results[f"leanserve {name}"] = leanserve_run(llm, prompt_ids, long_ids, args.decode_tokens, args.repeats)
+        results[f"leanserve {name}"]["load_s"] = weights.load_time_s
         del llm
     if not args.skip_transformers:
         # in a fresh process: after leanserve ran here, transformers measured up to 40% slower in this process
@@ -93,11 +96,11 @@ def main() -> None:
     base = results.get("transformers float32")
     print(f"\nSingle stream, {args.decode_tokens} decode tokens, {len(long_ids)}-token prefill, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'engine':<24}{'decode tok/s':>14}{'prefill tok/s':>15}{'decode x HF':>13}{'prefill x HF':>14}")
+    print(f"{'engine':<32}{'decode tok/s':>14}{'prefill tok/s':>15}{'decode x HF':>13}{'prefill x HF':>14}")
     for name, r in results.items():
         rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         rp = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
-        print(f"{name:<24}{r['decode_tok_s']:>14.1f}{r['prefill_tok_s']:>15.1f}{rd:>13}{rp:>14}")
+        print(f"{name:<32}{r['decode_tok_s']:>14.1f}{r['prefill_tok_s']:>15.1f}{rd:>13}{rp:>14}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "results": results},
