@@ -171,5 +171,6 @@ def test_streamed_logprobs_follow_tokens_when_text_is_held_back(server, client, 
         text += ch["delta"]["content"]
         assert raw.decode("utf-8", errors="ignore").startswith(text)  # text never runs ahead of the tokens
     assert entries == chunks[-1]["usage"]["completion_tokens"]
-    whole = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    plain = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream: true
+    whole = client.post("/v1/chat/completions", json={**plain, "stream": False}).json()
     assert text == whole["choices"][0]["message"]["content"]

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,13 @@ class SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: int | None = None
