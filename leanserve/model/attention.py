@@ -36,7 +36,7 @@ KVCache = torch.Tensor | Int8KVCache  # one layer's K or V: [num_blocks, block_s
 # pieces at least this long, so a prompt's output does not depend on what was cached or how it was chunked
 # (tests/engine/test_prefix_cache_exact.py).
 PREFILL_MIN_ROWS = 8
-_Q_ROWS_MULTIPLE = 32  # prefill queries are padded to a multiple of this many rows (see _padded_queries)
+Q_ROWS_MULTIPLE = 32  # prefill queries are padded to a multiple of this many rows (see _padded_queries)
 
 
 @dataclass
@@ -47,7 +47,9 @@ class PrefillChunk:
     query_len: int  # tokens in this chunk
     context_len: int  # tokens of the sequence already in the cache before this chunk
     block_ids: torch.Tensor  # [num_blocks_of_sequence] int64: the sequence's block table
-    mask: torch.Tensor | None = None  # [query_len, context_len + query_len] bool, True = attend; None if no context
+    # [rows, context_len + query_len] bool, True = attend; rows = query_len, or query_len rounded up to
+    # Q_ROWS_MULTIPLE with the padding rows attending to every key; None if no context
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -128,7 +130,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[sl] = od.reshape(g.count, num_heads, head_dim)
     for p in meta.prefills:
         sl = slice(p.query_start, p.query_start + p.query_len)
-        qp = _padded_queries(q[sl])  # [1, num_heads, q_len rounded up to _Q_ROWS_MULTIPLE, head_dim]
+        qp = _padded_queries(q[sl])  # [1, num_heads, q_len rounded up to Q_ROWS_MULTIPLE, head_dim]
         if p.context_len == 0:
             kp = k[sl].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
             vp = v[sl].transpose(0, 1).unsqueeze(0)
@@ -137,7 +139,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kv_len = p.context_len + p.query_len
             kp = _gather(k_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
             vp = _gather(v_cache, p.block_ids, q.dtype)[:, :kv_len].unsqueeze(0)
-            mask = torch.cat([p.mask, p.mask.new_ones(qp.shape[2] - p.query_len, kv_len)])  # padding rows: any
+            mask = p.mask  # the runner builds it with the padding rows already
+            if mask.shape[0] < qp.shape[2]:
+                mask = torch.cat([mask, mask.new_ones(qp.shape[2] - mask.shape[0], kv_len)])  # padding rows: any
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
         out[sl] = op[0, :, : p.query_len].transpose(0, 1)
     return out
@@ -145,7 +149,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _padded_queries(q: torch.Tensor) -> torch.Tensor:
     """Queries [n, heads, head_dim] as a contiguous [1, heads, m, head_dim] copy, zero rows appended up to
-    m = n rounded up to ``_Q_ROWS_MULTIPLE``.
+    m = n rounded up to ``Q_ROWS_MULTIPLE``.
 
     torch's CPU flash attention splits the queries into blocks of 32, 64 or 256 rows, and a block of fewer than
     4 rows rounds differently; with whole multiples of 32 rows every block is full, so a query row's result does
@@ -153,7 +157,7 @@ def _padded_queries(q: torch.Tensor) -> torch.Tensor:
     to valid keys (causal: the first ones) and are dropped.
     """
     n, heads, head_dim = q.shape
-    m = -(-n // _Q_ROWS_MULTIPLE) * _Q_ROWS_MULTIPLE
+    m = -(-n // Q_ROWS_MULTIPLE) * Q_ROWS_MULTIPLE
     out = q.new_zeros(1, heads, m, head_dim)
     out[0, :, :n] = q.transpose(0, 1)
     return out

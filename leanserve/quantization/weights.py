@@ -113,9 +113,7 @@ class Int4Weight:
             UnsupportedQuantizationError: ``in`` is not a multiple of ``group_size``.
         """
         out, k = codes.shape
-        if k % group_size:
-            raise UnsupportedQuantizationError(
-                "quantization_group_size", f"int4 group size {group_size} does not divide the input width {k}")
+        _check_group_size(k, group_size)
         sz = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
         return cls(pack_int4(codes), sz.transpose(0, 1).contiguous(), group_size, k)
 
@@ -129,9 +127,7 @@ class Int4Weight:
             UnsupportedQuantizationError: ``in`` is not a multiple of ``group_size``.
         """
         out, k = w.shape
-        if k % group_size:
-            raise UnsupportedQuantizationError(
-                "quantization_group_size", f"int4 group size {group_size} does not divide the input width {k}")
+        _check_group_size(k, group_size)
         wg = w.float().reshape(out, k // group_size, group_size)
         lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
         scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()
@@ -258,3 +254,10 @@ def quantize_weight(w: torch.Tensor | GroupQuantized, method: str, group_size: i
     if method == "int4":
         return Int4Weight.from_float(dense, group_size)
     raise UnsupportedQuantizationError("quantization", f"unsupported quantization {method!r}")
+
+
+def _check_group_size(in_features: int, group_size: int) -> None:
+    """Raises UnsupportedQuantizationError unless ``group_size`` divides ``in_features``."""
+    if in_features % group_size:
+        raise UnsupportedQuantizationError(
+            "quantization_group_size", f"int4 group size {group_size} does not divide the input width {in_features}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from leanserve.kernels import paged_attention_ext
-from leanserve.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from leanserve.model.attention import Q_ROWS_MULTIPLE, AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache
@@ -150,9 +150,10 @@ class ModelRunner:
             else:
                 chunk = PrefillChunk(q_start, n, start, self._tensor(table))
                 if start:
-                    q_pos = torch.arange(start, start + n, device=self.device)
+                    rows = -(-n // Q_ROWS_MULTIPLE) * Q_ROWS_MULTIPLE  # attention pads the queries to this
+                    q_pos = torch.arange(start, start + rows, device=self.device)
                     k_pos = torch.arange(start + n, device=self.device)
-                    chunk.mask = k_pos[None, :] <= q_pos[:, None]  # [n, start + n]
+                    chunk.mask = k_pos[None, :] <= q_pos[:, None]  # [rows, start + n]; padding rows see all
                 meta.prefills.append(chunk)
             if s.samples:
                 logits_idx.append(len(ids) - 1)

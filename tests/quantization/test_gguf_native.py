@@ -17,16 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-
-def _write(path: Path, tensors: dict[str, tuple[np.ndarray, QT]]) -> gguf.GGUFReader:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, (raw, qtype) in tensors.items():
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return open_gguf(path)
+from tests.loader.gguf_helpers import write_gguf_file
 
 
 def _kernel_tolerance(g: GroupQuantized) -> torch.Tensor:
@@ -42,7 +33,7 @@ def _kernel_tolerance(g: GroupQuantized) -> torch.Tensor:
 def test_native_tensor_equals_gguf_dequantization(tmp_path: Path, qtype: QT) -> None:
     rng = np.random.default_rng(int(qtype))
     w = (rng.standard_normal((128, 96)) * 0.05 + rng.uniform(-0.02, 0.02, (128, 1))).astype(np.float32)
-    reader = _write(tmp_path / "t.gguf", {"w": (gguf.quants.quantize(w, qtype), qtype)})
+    reader = open_gguf(write_gguf_file(tmp_path / "t.gguf", "llama", [("w", gguf.quants.quantize(w, qtype), qtype)]))
     tensor = reader.tensors[0]
     expect = gguf.quants.dequantize(tensor.data, qtype).reshape(128, 96)
     g = read_group_quantized(tensor)
