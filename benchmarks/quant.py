@@ -1,7 +1,9 @@
 """Quantized vs unquantized, side by side in one run: decode tokens/s at batch 1 and 32, prefill tokens/s, for
 leanserve fp32 (``--quantization none``), int8 (per channel, re-quantized from the dequantized file) and int4
 (the file's native Q4_1, ``--quantization auto``), beside llama.cpp on the same GGUF file; plus the KV tokens the
-int8 cache holds in the memory of the fp32 one.
+int8 cache holds in the memory of the fp32 one; plus, per batch size, the time of one Q4_1 matrix product in each
+kernel (leanserve's block kernel, dequantize + fp32 GEMM, torch's packed int4 with bf16 activations): the measurement
+behind ``BLOCK_KERNEL_MAX_ROWS``.
 
 The engines are measured round-robin (repeat 1 of every config, then repeat 2, ...) so that load from other
 processes on this shared machine hits them alike; medians are reported. Usage:
@@ -22,9 +24,44 @@ from pathlib import Path
 from leanserve import LLM, SamplingParams
 from leanserve.loader import load_model
 
+import torch
+
 from benchmarks.common import corpus_text, find_llama_server, write_json
 
-CONFIGS = {"fp32": "none", "int8": "int8", "int4 (native Q4_1)": "auto"}
+# name -> (quantization, use_native_kernels)
+CONFIGS = {"fp32": ("none", True), "int8": ("int8", True), "int4 (native Q4_1)": ("auto", True),
+           "Q4_1, torch kernels": ("auto", False)}
+KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 512)
+
+
+def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
+    """Milliseconds per product of the default model's fused gate/up matrix (3072 x 576, Q4_1) with M rows, over
+    all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel."""
+    from leanserve.kernels import block_quant_ext
+    from leanserve.model.llama import linear
+    from leanserve.quantization.weights import GroupQuantized, pack_group_quantized
+
+    ext = block_quant_ext()
+    mats = []
+    for i in range(loaded.config.num_layers):
+        p = f"model.layers.{i}.mlp."
+        g = GroupQuantized.cat_rows([loaded.weights[p + "gate_proj.weight"], loaded.weights[p + "up_proj.weight"]])
+        mats.append((pack_group_quantized(g, ext) if ext else None, pack_group_quantized(g)))
+    kernels = {"torch int4 (bf16 activations)": lambda x, b, t: t.matmul(x)}
+    if ext is not None:
+        kernels["block kernel"] = lambda x, b, t: b.matmul(x, row_invariant=True)
+        kernels["dequantize + fp32 GEMM"] = lambda x, b, t: linear(x, b.dequantize())
+    table: dict[str, dict[int, float]] = {k: {} for k in kernels}
+    for m in KERNEL_ROWS:
+        x = torch.randn(m, loaded.config.hidden_size)
+        for name, fn in kernels.items():
+            n = max(1, repeats * 8 // m)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                for b, t in mats:
+                    fn(x, b, t)
+            table[name][m] = (time.perf_counter() - t0) / (n * len(mats)) * 1e3
+    return table
 
 
 def decode_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
@@ -90,8 +127,8 @@ def main() -> None:
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
     long_ids = ids[:args.prefill_tokens]
     prompts = [ids[1000 + 16 * i:1000 + 16 * (i + 1)] for i in range(32)]
-    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory)
-            for name, q in CONFIGS.items()}
+    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk)
+            for name, (q, nk) in CONFIGS.items()}
     raw: dict[str, dict[str, list[float]]] = {n: {"decode_b1": [], "decode_b32": [], "prefill": []} for n in llms}
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompts[:1], 4)
@@ -111,6 +148,7 @@ def main() -> None:
           "int8_tokens": kv8.kv.num_tokens_capacity()}
     kv["ratio"] = kv["int8_tokens"] / kv["fp32_tokens"]
     peer = {} if args.no_llama_cpp else llama_cpp(loaded.path, args.decode_tokens, args.prefill_tokens)
+    kernels = kernel_table(loaded)
 
     base = results["fp32"]
     print(f"\n{'engine':<22}{'decode b1':>11}{'decode b32':>12}{'prefill':>10}{'b32 vs fp32':>13}{'weights MB':>12}")
@@ -127,8 +165,11 @@ def main() -> None:
         print(f"llama.cpp: {peer}")
     print(f"KV cache in {kv['memory_bytes'] >> 20} MiB: fp32 {kv['fp32_tokens']} tokens, int8 {kv['int8_tokens']} "
           f"tokens ({kv['ratio']:.2f}x; target >= 3.5x)")
+    print(f"\nms per 3072x576 Q4_1 product (gate/up), by rows: {'':<4}" + "".join(f"{m:>8}" for m in KERNEL_ROWS))
+    for name, row in kernels.items():
+        print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in KERNEL_ROWS))
     write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,
-                          "kv_cache": kv})
+                          "kv_cache": kv, "kernel_ms": kernels})
 
 
 if __name__ == "__main__":

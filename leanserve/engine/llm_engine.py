@@ -99,7 +99,8 @@ class LLMEngine:
             raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
         self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
-                                group_size=config.quantization_group_size, batch_invariant=config.batch_invariant)
+                                group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
+                                native_kernels=config.use_native_kernels)
         cfg = loaded.config
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
         bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, dtype_name)

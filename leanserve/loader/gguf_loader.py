@@ -206,12 +206,15 @@ def _unpermute_native(g: GroupQuantized, n_head: int) -> GroupQuantized:
     return replace(g, codes=rows(g.codes), scale=rows(g.scale), bias=rows(g.bias))
 
 
+_NATIVE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
 def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig,
                  native: bool = False) -> dict[str, torch.Tensor | GroupQuantized]:
     """All weights of a GGUF model, dequantized, renamed to HF and re-laid-out (q/k un-permuted for llama
     and mistral; qwen2 is converted without the permutation). Values: float32 contiguous ``torch.Tensor``;
-    with ``native``, the per-layer projection matrices (``*_proj.weight``) of type Q4_0 / Q4_1 / Q8_0 are
-    :class:`GroupQuantized` instead (no arithmetic on their values; the embedding and output stay float).
+    with ``native``, the matrices (projections, embedding, output) of type Q4_0 / Q4_1 / Q8_0 are
+    :class:`GroupQuantized` instead (no arithmetic on their values).
 
     Raises:
         UnsupportedTensorTypeError: a tensor type is not supported (checked first).
@@ -228,7 +231,7 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig,
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name!r} has no counterpart in a {config.architecture} model"
             )
-        if native and tensor.tensor_type in NATIVE_TYPES and name.endswith("_proj.weight"):
+        if native and tensor.tensor_type in NATIVE_TYPES and name.endswith(_NATIVE_SUFFIXES):
             g = read_group_quantized(tensor)
             if permuted and ".q_proj." in name:
                 g = _unpermute_native(g, config.num_heads)

@@ -73,6 +73,11 @@ class AttentionMetadata:
     # native paged decode kernel (leanserve.kernels), reading the cache in place; None: the torch path
     decode_kernel: Callable[..., torch.Tensor] | None = None
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens of the leading decodes (one per sequence); the rest of the batch is prefill."""
+        return sum(g.count for g in self.decode_groups)
+
 
 def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

@@ -8,15 +8,25 @@ fused into one matmul each.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
+from leanserve.kernels import block_quant_ext, fused_ops_ext
 from leanserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 from leanserve.quantization import check_quantization
-from leanserve.quantization.weights import GroupQuantized, Int4Weight, Int8Weight, QuantizedWeight, quantize_weight
+from leanserve.quantization.weights import (
+    BLOCK_KERNEL_MAX_ROWS,
+    BlockQuantWeight,
+    GroupQuantized,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    quantize_weight,
+)
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +42,7 @@ def numpy_blas_enabled() -> bool:
 
 
 _NUMPY_BLAS = numpy_blas_enabled()
+_EMPTY = torch.empty(0)  # "no residual to add" for the fused RMSNorm
 
 
 # Fewest rows given to BLAS gemm in batch-invariant mode. OpenBLAS computes a row of x @ w.T bitwise the same
@@ -41,7 +52,7 @@ _INVARIANT_MIN_ROWS = 3
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
-           min_rows: int = 0) -> torch.Tensor:
+           min_rows: int = 0, kernel_rows: int | None = None) -> torch.Tensor:
     """``x @ w.T + b`` for x [T, in] and w [out, in], choosing the fast kernel for the dtype and T.
 
     A quantized ``w`` (:class:`Int8Weight` / :class:`Int4Weight`) runs its own packed kernel (see
@@ -52,7 +63,27 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     is as fast or faster for GEMMs (see benchmarks/decode.py). bf16 products with more than a few rows run in fp32
     (no fast bf16 GEMM on CPU). ``min_rows`` > T zero-pads x to that many rows for a GEMM (batch-invariant mode
     of the NumPy path: every row then goes through the same kernel whatever T is).
+
+    A :class:`BlockQuantWeight` runs its block kernel on the first ``kernel_rows`` rows (decode tokens; None: all)
+    when there are at most ``BLOCK_KERNEL_MAX_ROWS`` of them, and dequantizes to fp32 for a GEMM on the others
+    (prefill tokens: always that path, so a prompt token's result does not depend on how the prompt was chunked or
+    how much of it came from the prefix cache; the GEMM is also the faster path for many rows). With ``min_rows``
+    (batch-invariant mode) every row runs the block kernel.
     """
+    if isinstance(w, BlockQuantWeight):
+        t = x.shape[0]
+        n = t if min_rows or kernel_rows is None else kernel_rows
+        if not min_rows and n > BLOCK_KERNEL_MAX_ROWS:
+            n = 0
+        xf = x.float()
+        if n == t:
+            y = w.matmul(xf, row_invariant=True)
+        elif n == 0:
+            y = linear(xf, w.dequantize(use_scratch=True))
+        else:
+            y = torch.cat([w.matmul(xf[:n], row_invariant=True), linear(xf[n:], w.dequantize(use_scratch=True))])
+        y = y.to(x.dtype)
+        return y if b is None else y + b
     if isinstance(w, Int8Weight | Int4Weight):
         y = w.matmul(x)
         return y if b is None else y + b
@@ -106,14 +137,19 @@ class LlamaModel:
         device: torch device.
         max_position: positions to precompute RoPE for (tokens).
         quantization: "auto", "none", "int8" or "int4" for the projections (see
-            :func:`leanserve.quantization.weights.quantize_weight`). The embedding and the output projection stay
-            float in every mode: the packed kernels return bf16, whose spacing is 0.125 at logits of 16-32, and
+            :func:`leanserve.quantization.weights.quantize_weight`). Under "auto" with ``native_kernels``, GGUF
+            Q4_0/Q4_1/Q8_0 matrices, the token embedding and the (tied) output projection included, stay in their
+            file layout and run leanserve's block kernel (fp32 output). Otherwise the embedding and the output
+            projection stay float: torch's packed kernels return bf16, whose spacing is 0.125 at logits of 16-32, and
             with an int8 output projection ``leanserve eval`` saw the greedy first token change on 10-15% of
             prompts (near-ties), against 3% with int8 projections and a float output projection.
         group_size: int4 group size (input columns per scale): 32, 64 or 128.
         batch_invariant: compute every token's row with the same kernels whatever the batch holds, so its logits
             are bitwise independent of the batch (float32 activations on CPU with NumPy's BLAS; the packed int8/int4
             kernels are row-invariant already; decode at batch 1-2 is slower: GEMMs on zero-padded rows, not gemv).
+        native_kernels: use the compiled block kernel for GGUF-quantized weights and the fused RMSNorm / RoPE
+            (float32 on CPU) when they build (``leanserve.kernels``); else torch's packed int4/int8 kernels and
+            eager torch ops.
 
     Raises:
         KeyError: when a required weight is missing from ``weights``.
@@ -125,8 +161,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | GroupQuantized],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  max_position: int | None = None, quantization: str = "none", group_size: int = 32,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, native_kernels: bool = True) -> None:
         check_quantization(quantization, group_size)
+        block_ext = block_quant_ext() if native_kernels and torch.device(device).type == "cpu" else None
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -149,7 +186,7 @@ class LlamaModel:
                 fused = GroupQuantized.cat_rows(parts)
             else:
                 fused = torch.cat([p.dequantize() if isinstance(p, GroupQuantized) else p.float() for p in parts])
-            q = quantize_weight(fused, quantization, group_size)
+            q = quantize_weight(fused, quantization, group_size, block_ext)
             if isinstance(q, torch.Tensor):
                 return q.to(device=self.device, dtype=dtype).contiguous()
             if self.device.type != "cpu":
@@ -157,9 +194,16 @@ class LlamaModel:
                     "quantization", f"quantized weights run on the CPU only, not on {self.device.type}")
             return q
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        def table(name: str) -> torch.Tensor | BlockQuantWeight:
+            """The embedding or output matrix: in its file layout under "auto" with the block kernel, else float."""
+            t = weights[name]
+            if quantization == "auto" and block_ext is not None and isinstance(t, GroupQuantized):
+                return quantize_weight(t, quantization, group_size, block_ext)
+            return w(name)
+
+        self.embed = table("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head: torch.Tensor | QuantizedWeight = (
-            self.embed if config.tie_word_embeddings else w("lm_head.weight"))
+            self.embed if config.tie_word_embeddings else table("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -177,18 +221,25 @@ class LlamaModel:
                 gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=proj(p + "mlp.down_proj.weight"),
             ))
+        blocks = [t for layer in self.layers for t in vars(layer).values() if isinstance(t, BlockQuantWeight)]
+        if blocks:  # one dequantization buffer for all layers (large batches), reused so it stays in cache
+            scratch = torch.empty(max(b.shape[0] * b.shape[1] for b in blocks))
+            for b in blocks:
+                b.scratch = scratch
         self.rope = RotaryEmbedding(config.head_dim, max_position or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling)
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
+        # fused RMSNorm / RoPE (leanserve/kernels/fused_ops.cpp) for float32 on CPU
+        self._fused = (fused_ops_ext() if native_kernels and self.device.type == "cpu" and dtype == torch.float32
+                       else None)
 
     def weight_bytes(self) -> int:
         """Bytes held by the model's weights (the tied output matrix counted once; quantized ones as packed)."""
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.nbytes if isinstance(t, Int8Weight | Int4Weight) else t.numel() * t.element_size()
-                   for t in tensors)
+        return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[KVCache, KVCache]], meta: AttentionMetadata) -> torch.Tensor:
@@ -207,21 +258,45 @@ class LlamaModel:
         t = input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        fused = self._fused
+        if fused is not None:
+            cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # [T, head_dim] each
+        else:
+            cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
+        x = self.embed_tokens(input_ids).contiguous()  # [T, hidden], the residual stream (updated in place)
+        pending: torch.Tensor | None = None  # the MLP output still to be added to x
+        lin = functools.partial(linear, min_rows=self._min_rows, kernel_rows=meta.num_decode_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias, self._min_rows)  # [T, q_size + 2 * kv_size]
+            h = self._add_norm(x, pending, layer.input_norm)
+            qkv = lin(h, layer.qkv, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            if fused is not None:
+                fused.rope_(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if fused is None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, num_heads, head_dim]
-            x = x + linear(attn.view(t, q_size), layer.o, min_rows=self._min_rows)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up, min_rows=self._min_rows).chunk(2, dim=-1)  # [T, intermediate] each
-            x = x + linear(F.silu(gate) * up, layer.down, min_rows=self._min_rows)
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            h = self._add_norm(x, lin(attn.view(t, q_size), layer.o), layer.post_norm)
+            gate, up = lin(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            pending = lin(F.silu(gate) * up, layer.down)
+        return self._add_norm(x, pending, self.norm)
+
+    def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """``x += y`` in place (the residual add; ``y`` None: none), then RMSNorm(x) * weight. x, y: [T, hidden]."""
+        if self._fused is not None:
+            return self._fused.add_rms_norm_(x, _EMPTY if y is None else y.contiguous(), weight,
+                                             self.config.rms_norm_eps)
+        if y is not None:
+            x += y
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [T, hidden] in the model dtype for ids [T] int64."""
+        if isinstance(self.embed, BlockQuantWeight):
+            return self.embed.rows(input_ids).to(self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] float32 for hidden states [N, hidden]."""

@@ -51,14 +51,14 @@ def test_native_tensor_equals_gguf_dequantization(tmp_path: Path, qtype: QT) -> 
 
 
 def test_default_model_native_matches_dequantized(loaded) -> None:
-    """Every Q4_1 projection of the default model, read natively (q/k rows un-permuted with their scales),
-    dequantizes exactly to the float weights the ordinary loader produces."""
+    """Every Q4_1 projection and the Q8_0 embedding of the default model, read natively (q/k rows un-permuted with
+    their scales), dequantize exactly to the float weights the ordinary loader produces."""
     reader = open_gguf(default_model_path())
     config = gguf_model_config(reader)
     native = gguf_weights(reader, config, native=True)
     quantized = {k: v for k, v in native.items() if isinstance(v, GroupQuantized)}
-    assert len(quantized) == 7 * config.num_layers  # q, k, v, o, gate, up, down
-    assert not isinstance(native["model.embed_tokens.weight"], GroupQuantized)  # Q8_0 embedding stays float
+    assert len(quantized) == 7 * config.num_layers + 1  # q, k, v, o, gate, up, down; the embedding
+    assert quantized["model.embed_tokens.weight"].bits == 8  # Q8_0
     for name, g in quantized.items():
         assert torch.equal(g.dequantize(), loaded.weights[name]), name
     # the un-permutation moved whole rows: check one against the raw file
