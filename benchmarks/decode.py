@@ -20,6 +20,8 @@ from leanserve.loader import load_model
 
 import torch
 
+from benchmarks.common import peer_environ
+
 TEXT = ("The river wound through the valley, past fields of barley and old stone walls. In the evening the "
         "fishermen pulled their boats onto the gravel and talked about the weather and the new bridge. ")
 
@@ -90,7 +92,7 @@ def main() -> None:
         del llm
     if not args.skip_transformers:
         # in a fresh process: after leanserve ran here, transformers measured up to 40% slower in this process
-        with mp.get_context("spawn").Pool(1) as pool:
+        with peer_environ(), mp.get_context("spawn").Pool(1) as pool:
             results["transformers float32"] = pool.apply(
                 transformers_run, (prompt_ids, long_ids, args.decode_tokens, args.repeats, str(loaded.path)))
     base = results.get("transformers float32")

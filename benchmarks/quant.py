@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from leanserve import LLM, SamplingParams
-from leanserve.loader import load_model
+from leanserve.loader import default_model_path, load_model
 
 import torch
 
-from benchmarks.common import corpus_text, find_llama_server, write_json
+from benchmarks.common import corpus_text, find_llama_server, peer_env, write_json
 
 # name -> (quantization, use_native_kernels)
 CONFIGS = {"fp32": ("none", True), "int8": ("int8", True), "int4 (native Q4_1)": ("auto", True),
@@ -37,11 +37,11 @@ KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 512)
 def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Milliseconds per product of the default model's fused gate/up matrix (3072 x 576, Q4_1) with M rows, over
     all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel."""
-    from leanserve.kernels import block_quant_ext
+    from leanserve.kernels import native_ops
     from leanserve.model.llama import linear
     from leanserve.quantization.weights import GroupQuantized, pack_group_quantized
 
-    ext = block_quant_ext()
+    ext = native_ops()
     mats = []
     for i in range(loaded.config.num_layers):
         p = f"model.layers.{i}.mlp."
@@ -98,13 +98,14 @@ def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int) -> dict:
     bin_dir = Path(server).parent
     res: dict = {}
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", str(prefill_tokens), "-n",
-                          str(decode_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=900)
+                          str(decode_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=900,
+                         env=peer_env())
     for row in json.loads(out.stdout or "[]"):
         key = "decode_b1_tok_s" if row.get("n_gen") else "prefill_tok_s"
         res[key] = row["avg_ts"]
     out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", "2", "-c", "8192", "-b", "2048",
                           "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32", "--output-format",
-                          "jsonl"], capture_output=True, text=True, timeout=900)
+                          "jsonl"], capture_output=True, text=True, timeout=900, env=peer_env())
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     args = ap.parse_args()
 
+    # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet)
+    peer = {} if args.no_llama_cpp else llama_cpp(str(default_model_path()), args.decode_tokens,
+                                                  args.prefill_tokens)
     loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
     tok = loaded.tokenizer
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
@@ -147,7 +151,6 @@ def main() -> None:
     kv = {"memory_bytes": args.kv_cache_memory, "fp32_tokens": kv32.kv.num_tokens_capacity(),
           "int8_tokens": kv8.kv.num_tokens_capacity()}
     kv["ratio"] = kv["int8_tokens"] / kv["fp32_tokens"]
-    peer = {} if args.no_llama_cpp else llama_cpp(loaded.path, args.decode_tokens, args.prefill_tokens)
     kernels = kernel_table(loaded)
 
     base = results["fp32"]

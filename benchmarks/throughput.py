@@ -25,7 +25,7 @@ from leanserve.loader import load_model
 import httpx
 import torch
 
-from benchmarks.common import BenchRequest, LlamaServer, find_llama_server, make_workload, write_json
+from benchmarks.common import BenchRequest, LlamaServer, find_llama_server, make_workload, peer_environ, write_json
 
 WORKLOADS = {"mixed": (128, (50, 1000), (20, 500)), "kb": (64, (1500, 2500), (100, 200))}
 
@@ -140,7 +140,7 @@ def main() -> None:
             res["llama.cpp"] = {"skipped": "llama-server not found: run ../shared/tools/build-llama-cpp.sh"}
         if args.hf_requests:
             # in a fresh process: transformers ran up to 40% slower in a process where leanserve had run
-            with mp.get_context("spawn").Pool(1) as pool:
+            with peer_environ(), mp.get_context("spawn").Pool(1) as pool:
                 res["transformers"] = pool.apply(run_transformers,
                                                  (str(loaded.path), reqs[: args.hf_requests], args.hf_batch))
         results[name] = res

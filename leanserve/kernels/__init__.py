@@ -17,12 +17,20 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 
 
-def _build(name: str, source: str) -> ModuleType | None:
-    """Compile (or load from torch's cache) the extension ``name`` from ``source`` in this folder; None when that
-    fails or ``$LEANSERVE_DISABLE_NATIVE_KERNELS`` is set."""
+@functools.cache
+def native_ops() -> ModuleType | None:
+    """The compiled kernels (one extension, so they share one thread pool, see spin_pool.h), or None when they
+    cannot be built or ``$LEANSERVE_DISABLE_NATIVE_KERNELS`` is set (then callers use the torch paths):
+
+    * ``paged_decode_attention`` (paged_attention.cpp): decode attention read in place from the paged KV cache;
+    * ``block_quant_gemm``, ``block_dequantize`` (block_quant_gemm.cpp): GGUF Q4_0/Q4_1/Q8_0 weights in their
+      file layout;
+    * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row.
+    """
     if os.environ.get(_DISABLE_ENV):
         return None
     try:
@@ -32,36 +40,8 @@ def _build(name: str, source: str) -> ModuleType | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
 
-        return load(name=name, sources=[str(_DIR / source)],
+        return load(name="leanserve_kernels", sources=[str(_DIR / s) for s in _SOURCES],
                     extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
     except Exception as e:  # compiler or ninja missing, headers mismatch: keep serving on the torch path
-        logger.warning("native kernel %s unavailable (%s); using the torch path", name, e)
+        logger.warning("native kernels unavailable (%s); using the torch paths", e)
         return None
-
-
-@functools.cache
-def paged_attention_ext() -> ModuleType | None:
-    """The compiled paged decode attention (``paged_decode_attention``; see paged_attention.cpp), or None (then
-    callers use the torch path)."""
-    return _build("leanserve_paged_attention", "paged_attention.cpp")
-
-
-@functools.cache
-def block_quant_ext() -> ModuleType | None:
-    """The compiled GGUF block-quantized matmul (``block_quant_gemm``, ``block_dequantize``; see
-    block_quant_gemm.cpp), or None (then GGUF 4/8-bit weights go to torch's packed int4/int8 kernels)."""
-    return _build("leanserve_block_quant_gemm", "block_quant_gemm.cpp")
-
-
-@functools.cache
-def fused_ops_ext() -> ModuleType | None:
-    """The compiled fused RMSNorm and RoPE (``add_rms_norm_``, ``rope_``; see fused_ops.cpp), or None (then the
-    model runs the eager torch formulas)."""
-    return _build("leanserve_fused_ops", "fused_ops.cpp")
-
-
-def build_all() -> None:
-    """Build every extension now (``make`` setup calls this once so that no server start pays for it)."""
-    paged_attention_ext()
-    block_quant_ext()
-    fused_ops_ext()

@@ -17,7 +17,7 @@
 //   d, mn   [N, K / 32] float16 (mn empty for 8-bit)
 // Returns y [M, N] float32. Rows of x are independent: a row's result does not depend on M or on the other rows.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "spin_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,13 +43,47 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#ifdef LS_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // Per row m and block b: xq = round(x / dx) in int16, dx = max|x| / 32767, xs = sum(x).
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* dx, float* xs) {
   const int64_t nb = K / kBlock;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  leanserve::SpinPool::parallel_for(M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + m * K + b * kBlock;
+#ifdef LS_AVX2
+        __m256 v[4], a = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int j = 0; j < 4; ++j) {
+          v[j] = _mm256_loadu_ps(xb + 8 * j);
+          a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[j]));
+          sv = _mm256_add_ps(sv, v[j]);
+        }
+        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+        a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+        const float amax_v = _mm_cvtss_f32(a4);
+        const float dv = amax_v / 32767.f;
+        const __m256 iv = _mm256_set1_ps(dv > 0.f ? 1.f / dv : 0.f);
+        int16_t* qv = xq + m * K + b * kBlock;
+        for (int j = 0; j < 4; j += 2) {  // round to nearest (even), saturate to int16
+          const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
+          const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], iv));
+          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qv + 8 * j), packed);
+        }
+        dx[m * nb + b] = dv;
+        xs[m * nb + b] = hsum(sv);
+        continue;
+#endif
         float amax = 0.f, sum = 0.f;
         for (int64_t j = 0; j < kBlock; ++j) {
           amax = std::max(amax, std::fabs(xb[j]));
@@ -69,14 +103,6 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, flo
   });
 }
 
-#ifdef LS_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // One output row n against T activation rows: out[t * N] for t < T. kBits = 4 or 8.
 template <int kBits, int T>
@@ -161,7 +187,7 @@ void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_
           const uint16_t* wd, const uint16_t* wm, int64_t N, float* y) {
   const int64_t nb = K / kBlock;
   const int64_t row_bytes = kBits == 4 ? K / 2 : K;
-  at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+  leanserve::SpinPool::parallel_for((N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n0 = task * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
@@ -239,7 +265,7 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   const auto* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* wm = bits == 4 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
   float* out = w.data_ptr<float>();
-  at::parallel_for(0, N * nb, 256, [&](int64_t begin, int64_t end) {
+  leanserve::SpinPool::parallel_for(N * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block i = row i / nb, block i % nb
       const float dd = half_to_float(wd[i]);
       float* o = out + i * kBlock;
@@ -277,11 +303,6 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
         for (int64_t j = 0; j < kBlock; ++j) o[j] = static_cast<float>(q[j]) * dd;
       }
     }
-  });
+  }, /*spin=*/false);
   return w;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_quant_gemm", &block_quant_gemm, "x @ w.T for GGUF block-quantized w (Q4_1/Q4_0/Q8_0 layout)");
-  m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
 }

@@ -10,7 +10,7 @@
 //                                (the fused q|k|v projection output); cos, sin: [T, D] float32.
 //                                x1' = x1 cos1 - x2 sin1, x2' = x2 cos2 + x1 sin2 (Su et al. 2021).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "spin_pool.h"
 
 #include <cmath>
 
@@ -27,7 +27,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+  leanserve::SpinPool::parallel_for(T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* xr = xp + t * H;
       float ss = 0.f;
@@ -44,7 +44,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
       float* orow = op + t * H;
       for (int64_t j = 0; j < H; ++j) orow[j] = wp[j] * (xr[j] * inv);
     }
-  });
+  }, /*spin=*/false);
   return out;
 }
 
@@ -59,7 +59,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_he
   float* p = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+  leanserve::SpinPool::parallel_for(T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * head_dim;
       const float* s = sp + t * head_dim;
@@ -72,10 +72,5 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_he
         }
       }
     }
-  });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
-  m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
+  }, /*spin=*/false);
 }

@@ -7,7 +7,7 @@
 // block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (tokens to attend, the new one included)
 // returns       [N, H, D] float32. The G = H / KVH query heads of a KV head share its keys (GQA).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "spin_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +31,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;  // keys read per KV head, over all sequences: below ~2k the work is too small to share
+  for (int64_t n = 0; n < N; ++n) total_len += sl[n];
+  const int64_t grain = total_len >= 2048 ? 1 : N * KVH;
+  leanserve::SpinPool::parallel_for(N * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), m(G), l(G), s(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t n = idx / KVH, kh = idx % KVH;
@@ -107,8 +110,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   else if (D == 128 && G == 8) decode_kernel<128, 8>(q, k_cache, v_cache, bt_c, sl_c, scale, out);
   else decode_kernel<0, 0>(q, k_cache, v_cache, bt_c, sl_c, scale, out);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
 }

@@ -120,6 +120,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
+    if meta.decode_kernel is not None and not meta.prefills and len(meta.decode_groups) == 1:  # decode-only step
+        g = meta.decode_groups[0]
+        return meta.decode_kernel(q.contiguous(), k_cache, v_cache, g.block_table, g.seq_lens, head_dim ** -0.5)
     out = torch.empty_like(q)
     gqa = num_heads // kv_heads
     for g in meta.decode_groups:

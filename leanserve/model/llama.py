@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
-from leanserve.kernels import block_quant_ext, fused_ops_ext
+from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 from leanserve.quantization import check_quantization
@@ -43,6 +43,7 @@ def numpy_blas_enabled() -> bool:
 
 _NUMPY_BLAS = numpy_blas_enabled()
 _EMPTY = torch.empty(0)  # "no residual to add" for the fused RMSNorm
+_EMPTY_F16 = torch.empty(0, dtype=torch.float16)  # "no block offsets" (Q8_0) for the block kernel
 
 
 # Fewest rows given to BLAS gemm in batch-invariant mode. OpenBLAS computes a row of x @ w.T bitwise the same
@@ -70,6 +71,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     how much of it came from the prefix cache; the GEMM is also the faster path for many rows). With ``min_rows``
     (batch-invariant mode) every row runs the block kernel.
     """
+    if type(w) is BlockQuantWeight and x.dtype == torch.float32 and (kernel_rows or 0) >= x.shape[0] \
+            and x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:  # the common decode case, with the least Python
+        y = w.ext.block_quant_gemm(x.contiguous(), w.codes, w.d, w.mn if w.mn is not None else _EMPTY_F16, w.bits)
+        return y if b is None else y + b
     if isinstance(w, BlockQuantWeight):
         t = x.shape[0]
         n = t if min_rows or kernel_rows is None else kernel_rows
@@ -163,7 +168,7 @@ class LlamaModel:
                  max_position: int | None = None, quantization: str = "none", group_size: int = 32,
                  batch_invariant: bool = False, native_kernels: bool = True) -> None:
         check_quantization(quantization, group_size)
-        block_ext = block_quant_ext() if native_kernels and torch.device(device).type == "cpu" else None
+        block_ext = native_ops() if native_kernels and torch.device(device).type == "cpu" else None
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -231,7 +236,7 @@ class LlamaModel:
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
         # fused RMSNorm / RoPE (leanserve/kernels/fused_ops.cpp) for float32 on CPU
-        self._fused = (fused_ops_ext() if native_kernels and self.device.type == "cpu" and dtype == torch.float32
+        self._fused = (native_ops() if native_kernels and self.device.type == "cpu" and dtype == torch.float32
                        else None)
 
     def weight_bytes(self) -> int:

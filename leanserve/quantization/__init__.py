@@ -1,8 +1,9 @@
 """Quantized weights and KV cache dtypes: names, validation and the modules that implement them.
 
 * :mod:`leanserve.quantization.int4_pack` -- torch's CPU int4 packed layout: pack, and unpack (for checks).
-* :mod:`leanserve.quantization.weights` -- weight-only int8 / int4 matrices (``Int8Weight``, ``Int4Weight``) with
-  their matmul, and ``GroupQuantized``, the exact unpacked form of GGUF Q4_0 / Q4_1 / Q8_0 tensors.
+* :mod:`leanserve.quantization.weights` -- weight-only int8 / int4 matrices (``Int8Weight``, ``Int4Weight``,
+  ``BlockQuantWeight``) with their matmul, and ``GroupQuantized``, the exact unpacked form of GGUF Q4_0 / Q4_1 /
+  Q8_0 tensors.
 * :mod:`leanserve.quantization.kv_cache` -- the int8 KV cache (per token and head scales).
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 from leanserve.errors import UnsupportedQuantizationError
 
-# --quantization: "auto" keeps GGUF Q4_0/Q4_1 (int4, group 32) and Q8_0 (int8, group 32) linear weights in their
-# native bits and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4"
-# quantize every linear layer (and the output projection to int8) from float weights at load.
+# --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
+# for leanserve's block kernel (or, without native kernels, the projections in torch's packed int4/int8 layouts)
+# and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4" quantize
+# every projection from float weights at load.
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")  # "auto" = the model dtype
 INT4_GROUP_SIZES = (32, 64, 128)

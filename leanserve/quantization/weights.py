@@ -161,9 +161,9 @@ class Int4Weight:
 
 
 # Rows up to which BlockQuantWeight runs its own kernel; above, it dequantizes to fp32 and runs the BLAS GEMM.
-# Measured on this 2-core AVX2 CPU for the default model's shapes (benchmarks/quant.py, "block kernel" rows):
-# kernel vs dequantize + GEMM at 32 rows 0.55/0.58 ms (960x576), 2.3/2.5 ms (3072x576); at 64 rows the GEMM wins.
-BLOCK_KERNEL_MAX_ROWS = 48
+# Measured on this 2-core AVX2 CPU for the default model's 3072x576 gate/up matrix (benchmarks/quant.py, 2 threads):
+# kernel vs dequantize + GEMM 0.94/1.3 ms at 32 rows, 3.7/4.5 ms at 128, 15.6/10.7 ms at 512.
+BLOCK_KERNEL_MAX_ROWS = 128
 
 
 @dataclass
@@ -182,7 +182,7 @@ class BlockQuantWeight:
         d: [out, in // 32] float16 block scales.
         mn: [out, in // 32] float16 block offsets (4-bit), or None (8-bit).
         bits: 4 or 8.
-        ext: the compiled extension (leanserve.kernels.block_quant_ext()).
+        ext: the compiled extension (leanserve.kernels.native_ops()).
         scratch: a float32 buffer the large-batch path dequantizes into when it is big enough (the model shares
             one among its layers, so the fp32 copy stays in cache instead of being allocated per call), or None.
     """
@@ -322,7 +322,7 @@ class GroupQuantized:
 
 def pack_group_quantized(g: GroupQuantized, block_ext: Any = None) -> QuantizedWeight:
     """The packed weight holding ``g``'s codes unchanged: with ``block_ext`` (the compiled
-    leanserve.kernels.block_quant_ext()), a :class:`BlockQuantWeight`; else 4-bit -> :class:`Int4Weight` with
+    leanserve.kernels.native_ops()), a :class:`BlockQuantWeight`; else 4-bit -> :class:`Int4Weight` with
     scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0, whose offset is already 8); Q8_0 -> per-group
     :class:`Int8Weight`.
 

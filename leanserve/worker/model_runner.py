@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from leanserve.kernels import paged_attention_ext
+from leanserve.kernels import native_ops
 from leanserve.model.attention import Q_ROWS_MULTIPLE, AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
@@ -101,7 +101,7 @@ class ModelRunner:
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
                 and k_cache.dtype == torch.float32:
-            ext = paged_attention_ext()
+            ext = native_ops()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:

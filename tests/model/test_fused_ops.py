@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
-from leanserve.kernels import fused_ops_ext
+from leanserve.kernels import native_ops
 from leanserve.model.llama import rms_norm
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(fused_ops_ext() is None, reason="the native fused ops did not build")
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native fused ops did not build")
 
 
 @pytest.mark.parametrize("t", [1, 5, 130])
@@ -19,13 +19,13 @@ def test_add_rms_norm_matches_torch(t: int) -> None:
     x, y, w = torch.randn(t, 576, generator=g) * 3, torch.randn(t, 576, generator=g), torch.rand(576, generator=g)
     ref_x = x + y
     ref = rms_norm(ref_x, w, 1e-5)
-    out = fused_ops_ext().add_rms_norm_(x, y, w, 1e-5)
+    out = native_ops().add_rms_norm_(x, y, w, 1e-5)
     assert torch.equal(x, ref_x)  # the residual add, in place
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
-    alone = fused_ops_ext().add_rms_norm_(x[-1:].clone(), torch.empty(0), w, 1e-5)
+    alone = native_ops().add_rms_norm_(x[-1:].clone(), torch.empty(0), w, 1e-5)
     assert torch.equal(alone, out[-1:])  # each row on its own: bitwise independent of the batch
     with pytest.raises(RuntimeError, match="like x"):
-        fused_ops_ext().add_rms_norm_(x, y[:, :64].contiguous(), w, 1e-5)
+        native_ops().add_rms_norm_(x, y[:, :64].contiguous(), w, 1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 7, 100])
@@ -38,7 +38,7 @@ def test_rope_in_place_matches_apply_rope(t: int) -> None:
     q_ref = apply_rope(qkv[:, :heads * d].view(t, heads, d), cos, sin)
     k_ref = apply_rope(qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d), cos, sin)
     v_ref = qkv[:, (heads + kv_heads) * d:].clone()
-    fused_ops_ext().rope_(qkv, rope.cos[pos], rope.sin[pos], heads, kv_heads, d)
+    native_ops().rope_(qkv, rope.cos[pos], rope.sin[pos], heads, kv_heads, d)
     torch.testing.assert_close(qkv[:, :heads * d].view(t, heads, d), q_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d), k_ref,
                                rtol=1e-6, atol=1e-6)

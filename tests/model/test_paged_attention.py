@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import leanserve  # noqa: F401
-from leanserve.kernels import paged_attention_ext
+from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, DecodeGroup, paged_attention
 
 import pytest
@@ -24,7 +24,7 @@ def dense_reference(q, keys, values):
 @pytest.mark.parametrize("heads", [9, 12])
 @pytest.mark.parametrize("native", [True, False])
 def test_decode_attention_matches_dense(native, heads):
-    if native and paged_attention_ext() is None:
+    if native and native_ops() is None:
         pytest.fail("the native kernel did not build (a C++ compiler and ninja are installed by `make`)")
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
@@ -46,7 +46,7 @@ def test_decode_attention_matches_dense(native, heads):
     slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)])
     mask = None if native else (torch.arange(width * BS)[None] < seq_lens[:, None]).view(len(lens), 1, 1, -1)
     meta = AttentionMetadata(slot_mapping=slots, decode_groups=[DecodeGroup(0, len(lens), table, seq_lens, mask)],
-                             decode_kernel=paged_attention_ext().paged_decode_attention if native else None)
+                             decode_kernel=native_ops().paged_decode_attention if native else None)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         keys = k_cache[t].reshape(-1, KVH, D)[:n]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
-from leanserve.kernels import block_quant_ext
+from leanserve.kernels import native_ops
 from leanserve.loader.gguf_quant import read_group_quantized
 from leanserve.loader.gguf_tensors import open_gguf
 from leanserve.model.llama import linear
@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from tests.loader.gguf_helpers import write_gguf_file
 
-pytestmark = pytest.mark.skipif(block_quant_ext() is None, reason="the native block kernel did not build")
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native block kernel did not build")
 
 OUT, IN = 160, 576  # 18 blocks per row (an even and an odd tail for the 2-way unrolled loop are both hit below)
 
@@ -32,7 +32,7 @@ def _weight(tmp_path: Path, qtype: QT, out: int = OUT, k: int = IN) -> tuple[Blo
     w = (rng.standard_normal((out, k)) * 0.05 + rng.uniform(-0.02, 0.02, (out, 1))).astype(np.float32)
     reader = open_gguf(write_gguf_file(tmp_path / "t.gguf", "llama", [("w", gguf.quants.quantize(w, qtype), qtype)]))
     expect = gguf.quants.dequantize(reader.tensors[0].data, qtype).reshape(out, k)
-    packed = pack_group_quantized(read_group_quantized(reader.tensors[0]), block_quant_ext())
+    packed = pack_group_quantized(read_group_quantized(reader.tensors[0]), native_ops())
     assert isinstance(packed, BlockQuantWeight)
     return packed, expect
 

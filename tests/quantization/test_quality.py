@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve import LLM, SamplingParams
-from leanserve.kernels import block_quant_ext
+from leanserve.kernels import native_ops
 from leanserve.loader import load_model
 from leanserve.model.llama import LlamaModel
 from leanserve.quantization.weights import BlockQuantWeight
@@ -43,7 +43,7 @@ def test_default_native_model_computes_what_the_fp32_model_computes() -> None:
     holds the file's weights exactly, with under 1/4 of the weight memory: prompt tokens (dequantize + fp32 GEMM)
     score as in the dequantized fp32 model, and decode steps (the block kernel, int16 activations per block of 32)
     stay within a few thousandths of its log-probabilities."""
-    if block_quant_ext() is None:
+    if native_ops() is None:
         pytest.skip("the native block kernel did not build")
     loaded = load_model(None, quantization="auto")
     ids = loaded.tokenizer.encode(default_text(), add_special_tokens=False)[:300]
