@@ -162,8 +162,8 @@ class Int4Weight:
 
 # Rows up to which BlockQuantWeight runs its own kernel; above, it dequantizes to fp32 and runs the BLAS GEMM.
 # Measured on this 2-core AVX2 CPU for the default model's 3072x576 gate/up matrix (benchmarks/quant.py, 2 threads):
-# kernel vs dequantize + GEMM 0.94/1.3 ms at 32 rows, 3.7/4.5 ms at 128, 15.6/10.7 ms at 512.
-BLOCK_KERNEL_MAX_ROWS = 128
+# kernel vs dequantize + GEMM 0.94/1.23 ms at 32 rows, 1.60/1.47 ms at 48, 3.7/3.0 ms at 128, 15.5/10.0 at 512.
+BLOCK_KERNEL_MAX_ROWS = 40
 
 
 @dataclass
