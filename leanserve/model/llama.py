@@ -43,7 +43,6 @@ def numpy_blas_enabled() -> bool:
 
 _NUMPY_BLAS = numpy_blas_enabled()
 _EMPTY = torch.empty(0)  # "no residual to add" for the fused RMSNorm
-_EMPTY_F16 = torch.empty(0, dtype=torch.float16)  # "no block offsets" (Q8_0) for the block kernel
 
 
 # Fewest rows given to BLAS gemm in batch-invariant mode. OpenBLAS computes a row of x @ w.T bitwise the same
@@ -71,23 +70,19 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     how much of it came from the prefix cache; the GEMM is also the faster path for many rows). With ``min_rows``
     (batch-invariant mode) every row runs the block kernel.
     """
-    if type(w) is BlockQuantWeight and x.dtype == torch.float32 and (kernel_rows or 0) >= x.shape[0] \
-            and x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:  # the common decode case, with the least Python
-        y = w.ext.block_quant_gemm(x.contiguous(), w.codes, w.d, w.mn if w.mn is not None else _EMPTY_F16, w.bits)
-        return y if b is None else y + b
     if isinstance(w, BlockQuantWeight):
         t = x.shape[0]
-        n = t if min_rows or kernel_rows is None else kernel_rows
+        n = t if min_rows or kernel_rows is None else kernel_rows  # leading rows that may run the block kernel
         if not min_rows and n > BLOCK_KERNEL_MAX_ROWS:
             n = 0
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()
         if n == t:
-            y = w.matmul(xf, row_invariant=True)
+            y = w.kernel(xf)
         elif n == 0:
             y = linear(xf, w.dequantize(use_scratch=True))
         else:
-            y = torch.cat([w.matmul(xf[:n], row_invariant=True), linear(xf[n:], w.dequantize(use_scratch=True))])
-        y = y.to(x.dtype)
+            y = torch.cat([w.kernel(xf[:n]), linear(xf[n:], w.dequantize(use_scratch=True))])
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if b is None else y + b
     if isinstance(w, Int8Weight | Int4Weight):
         y = w.matmul(x)

@@ -249,8 +249,12 @@ class BlockQuantWeight:
         row's result never depends on how many rows came with it (batch-invariant mode)."""
         x = x.float()
         if row_invariant or x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
-            return self.ext.block_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
+            return self.kernel(x)
         return torch.nn.functional.linear(x, self.dequantize())
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` through the block kernel at any M: x [M, in] float32, returns [M, out] float32."""
+        return self.ext.block_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
 
     def _mn(self) -> torch.Tensor:
         return self.mn if self.mn is not None else _NONE_F16
