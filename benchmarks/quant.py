@@ -2,8 +2,8 @@
 leanserve fp32 (``--quantization none``), int8 (per channel, re-quantized from the dequantized file) and int4
 (the file's native Q4_1, ``--quantization auto``), beside llama.cpp on the same GGUF file; plus the KV tokens the
 int8 cache holds in the memory of the fp32 one; plus, per batch size, the time of one Q4_1 matrix product in each
-kernel (leanserve's block kernel, dequantize + fp32 GEMM, torch's packed int4 with bf16 activations): the measurement
-behind ``BLOCK_KERNEL_MAX_ROWS``.
+kernel (leanserve's lane kernel, which the default runs at every batch size; its block kernel and dequantize + fp32
+GEMM, which a matrix whose width is not a multiple of 64 runs; torch's packed int4 with bf16 activations).
 
 The engines are measured round-robin (repeat 1 of every config, then repeat 2, ...) so that load from other
 processes on this shared machine hits them alike; medians are reported. Usage:
@@ -39,18 +39,20 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
     all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel."""
     from leanserve.kernels import native_ops
     from leanserve.model.llama import linear
-    from leanserve.quantization.weights import GroupQuantized, pack_group_quantized
+    from leanserve.quantization.weights import BlockQuantWeight, GroupQuantized, pack_group_quantized
 
     ext = native_ops()
     mats = []
     for i in range(loaded.config.num_layers):
         p = f"model.layers.{i}.mlp."
         g = GroupQuantized.cat_rows([loaded.weights[p + "gate_proj.weight"], loaded.weights[p + "up_proj.weight"]])
-        mats.append((pack_group_quantized(g, ext) if ext else None, pack_group_quantized(g)))
-    kernels = {"torch int4 (bf16 activations)": lambda x, b, t: t.matmul(x)}
+        mats.append((BlockQuantWeight.from_group(g, ext, lanes=False) if ext else None, pack_group_quantized(g),
+                     pack_group_quantized(g, ext) if ext else None))
+    kernels = {"torch int4 (bf16 activations)": lambda x, b, t, ln: t.matmul(x)}
     if ext is not None:
-        kernels["block kernel"] = lambda x, b, t: b.matmul(x, row_invariant=True)
-        kernels["dequantize + fp32 GEMM"] = lambda x, b, t: linear(x, b.dequantize())
+        kernels["lane kernel (default)"] = lambda x, b, t, ln: ln.kernel(x)
+        kernels["block kernel"] = lambda x, b, t, ln: b.kernel(x)
+        kernels["dequantize + fp32 GEMM"] = lambda x, b, t, ln: linear(x, b.dequantize())
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for m in KERNEL_ROWS:
         x = torch.randn(m, loaded.config.hidden_size)
@@ -58,8 +60,8 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
             n = max(1, repeats * 8 // m)
             t0 = time.perf_counter()
             for _ in range(n):
-                for b, t in mats:
-                    fn(x, b, t)
+                for b, t, ln in mats:
+                    fn(x, b, t, ln)
             table[name][m] = (time.perf_counter() - t0) / (n * len(mats)) * 1e3
     return table
 

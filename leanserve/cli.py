@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default="auto",
                    help="weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none, int8, int4")
     g.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache: auto (the model dtype) or int8")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache: auto (the model dtype), float16 or int8")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

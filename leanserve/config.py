@@ -67,4 +67,5 @@ class EngineConfig:
     # bits (the default Q4_1 model runs at 4 bits), "none" = float weights, "int8" / "int4" quantize at load.
     quantization: str = "auto"
     quantization_group_size: int = 32  # int4 input columns per scale: 32, 64 or 128
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "int8" = int8 with a scale per token and KV head
+    # "auto" = the model dtype; "float16" = 2 bytes per element; "int8" = int8 with a scale per token and KV head
+    kv_cache_dtype: str = "auto"

@@ -29,7 +29,7 @@ class LLM:
         enable_prefix_caching, seed: see :class:`leanserve.config.EngineConfig`.
         loaded: reuse an already loaded model (skips loading).
         quantization: "auto" (GGUF Q4_0/Q4_1/Q8_0 stay in their native bits), "none", "int8" or "int4".
-        kv_cache_dtype: "auto" (the model dtype) or "int8".
+        kv_cache_dtype: "auto" (the model dtype), "float16" (half the bytes of fp32, read as fp32) or "int8".
         engine_kwargs: other :class:`EngineConfig` fields (``long_prefill_token_threshold``,
             ``scheduling_policy``, ``quantization_group_size``); an unknown name raises TypeError.
 

@@ -6,6 +6,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor mn,
                                int64_t bits);
+torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
+                              int64_t bits);
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor mn, int64_t bits,
                                torch::Tensor out_buf);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
@@ -15,6 +17,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_he
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("block_quant_gemm", &block_quant_gemm, "x @ w.T for GGUF block-quantized w (Q4_1/Q4_0/Q8_0 layout)");
+  m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows)");
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");

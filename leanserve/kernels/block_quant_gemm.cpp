@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -212,6 +213,160 @@ void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_
   });
 }
 
+// ---- Weights in lane order ---------------------------------------------------------------------------------------
+// The kernel above converts every (row, output, block) dot product to float separately, which costs more than the
+// fp32 GEMM's FMAs once there are more than a few rows. Here 8 outputs sit in the 8 int32 lanes of one register:
+// lane l accumulates q[n0 + l, k] * xq[m, k] for k = 2p, 2p + 1 (vpmaddwd of the weights' int16 pair against the
+// activations' pair broadcast to all lanes), over the 16 pairs of a block in exact int32, then once per block
+//   y[m, n0 + l] += float(acc) * (d[n0 + l, b] * dx[m, b]) + mn[n0 + l, b] * xs[m, b].
+// Register tiles of 3 rows x 16 outputs (one row: 64 outputs). Each row's result depends only
+// on that row (the same instructions in the same order whatever M and the row's place in it). The same bytes as
+// the file, so one step reads as much memory as the block kernel: it serves every M.
+//
+// Lane layout (the file's bytes and scales, permuted once at load), in tiles of 64 outputs = 8 groups of 8 whose
+// bytes for a block are contiguous, so that a task streams one region instead of one per group (8 concurrent
+// streams defeated the hardware prefetcher when the weights come from DRAM: single-row decode ran ~15% slower):
+//   4-bit: lanes [N / 64, K / 32, 8, 8, 8, 2] uint8, (t, b, g, p, l, i) = byte 2p + i of block b of output
+//          n = 64t + 8g + l, i.e. q[n, 32b + 2p + i] in the low nibble and q[n, 32b + 16 + 2p + i] in the high one
+//          (ggml's order);
+//   8-bit: lanes [N / 64, K / 32, 8, 16, 8, 2] int8, (t, b, g, p, l, i) = q[64t + 8g + l, 32b + 2p + i];
+//   dl, ml [N / 64, K / 32, 8, 8] float16: d and mn of output 64t + 8g + l, block b (ml unused for 8-bit).
+
+constexpr int64_t kLaneRowsPerTask = 96;  // activation rows per task (~110 KB of int16 at K = 576: stays in L2)
+
+#ifdef LS_AVX2
+inline __m256i bcast_pair(const int16_t* p) {  // xq[k], xq[k + 1] in every int32 lane
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm256_set1_epi32(pair);
+}
+#endif
+
+// One tile of 64 outputs (8 groups of 8) for T rows. Per block the tile's 8 groups are contiguous in memory and are
+// walked in order, in register sub-tiles of S groups (all 8 for one row; 2 with 2-3 rows, where the T x S int32
+// sums and their weights would not fit in registers otherwise); the fp32 sums of the 8 groups live in acc.
+template <int kBits, int T>
+inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
+                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N) {
+  constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;  // one block of 8 outputs
+#ifdef LS_AVX2
+  constexpr int S = T == 1 ? 8 : 2;
+  __m256 acc[T][8];
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int16_t* xb = xq + b * kBlock;
+    for (int g0 = 0; g0 < 8; g0 += S) {
+      const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
+      __m256i acci[T][S];
+      for (int t = 0; t < T; ++t)
+        for (int g = 0; g < S; ++g) acci[t][g] = _mm256_setzero_si256();
+      if constexpr (kBits == 4) {
+        for (int p = 0; p < 8; ++p) {
+          __m256i lo[S], hi[S];  // 16-bit lanes: low nibbles = pair p, high nibbles = pair p + 8
+          for (int g = 0; g < S; ++g) {
+            const __m256i v = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + g * kBlockBytes + p * 16)));
+            lo[g] = _mm256_and_si256(v, low4);
+            hi[g] = _mm256_srli_epi16(v, 4);
+          }
+          for (int t = 0; t < T; ++t) {
+            const __m256i xa = bcast_pair(xb + t * K + 2 * p), xc = bcast_pair(xb + t * K + 16 + 2 * p);
+            for (int g = 0; g < S; ++g)
+              acci[t][g] = _mm256_add_epi32(acci[t][g], _mm256_add_epi32(_mm256_madd_epi16(lo[g], xa),
+                                                                           _mm256_madd_epi16(hi[g], xc)));
+          }
+        }
+      } else {
+        for (int p = 0; p < 16; ++p) {
+          __m256i w[S];
+          for (int g = 0; g < S; ++g)
+            w[g] = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + g * kBlockBytes + p * 16)));
+          for (int t = 0; t < T; ++t) {
+            const __m256i xv = bcast_pair(xb + t * K + 2 * p);
+            for (int g = 0; g < S; ++g) acci[t][g] = _mm256_add_epi32(acci[t][g], _mm256_madd_epi16(w[g], xv));
+          }
+        }
+      }
+      for (int g = 0; g < S; ++g) {
+        const int64_t at = b * 64 + (g0 + g) * 8;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
+        for (int t = 0; t < T; ++t)
+          acc[t][g0 + g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t][g]),
+                                           _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * nb + b])), acc[t][g0 + g]);
+        if constexpr (kBits == 4) {
+          const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ml + at)));
+          for (int t = 0; t < T; ++t)
+            acc[t][g0 + g] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[t * nb + b]), acc[t][g0 + g]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < 8; ++g) _mm256_storeu_ps(y + t * N + g * 8, acc[t][g]);
+#else
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < 8; ++g)
+      for (int l = 0; l < 8; ++l) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          int32_t s = 0;
+          for (int64_t k = 0; k < kBlock; ++k) {
+            int32_t q;
+            if constexpr (kBits == 4) {
+              const int64_t j = k & 15;  // byte j = 2p + i of the block
+              const uint8_t raw = wl[(b * 8 + g) * kBlockBytes + (j / 2) * 16 + l * 2 + j % 2];
+              q = k < 16 ? (raw & 0x0F) : (raw >> 4);
+            } else {
+              q = static_cast<int8_t>(wl[(b * 8 + g) * kBlockBytes + (k / 2) * 16 + l * 2 + k % 2]);
+            }
+            s += q * xq[t * K + b * kBlock + k];
+          }
+          const float d = half_to_float(dl[b * 64 + g * 8 + l]);
+          acc += static_cast<float>(s) * (d * dx[t * nb + b]);
+          if (kBits == 4) acc += half_to_float(ml[b * 64 + g * 8 + l]) * xs[t * nb + b];
+        }
+        y[t * N + g * 8 + l] = acc;
+      }
+#endif
+}
+
+template <int kBits>
+void lane_gemm_impl(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* lanes,
+                    const uint16_t* dl, const uint16_t* ml, int64_t N, float* y) {
+  constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
+  const int64_t nb = K / kBlock, tiles = N / 64;
+  const int64_t tile_bytes = nb * 8 * kBlockBytes, tile_scales = nb * 64;
+  // A task: one tile of 64 outputs (one contiguous region of weights, streamed once and reused from cache) for an
+  // m-block of rows, 3 rows at a time. m-blocks of equal size (a multiple of 3 rows), and enough of them that the
+  // threads get equal shares even for a matrix of few tiles.
+  const int64_t want = (16 + tiles - 1) / tiles;
+  const int64_t mblocks = std::min((M + 2) / 3, std::max((M + kLaneRowsPerTask - 1) / kLaneRowsPerTask, want));
+  const int64_t mrows = ((M + mblocks - 1) / mblocks + 2) / 3 * 3;
+  leanserve::SpinPool::parallel_for(mblocks * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t mb = task / tiles, t = task % tiles;
+      const uint8_t* wl = lanes + t * tile_bytes;
+      const uint16_t* dt = dl + t * tile_scales;
+      const uint16_t* mt = ml + t * tile_scales;
+      const int64_t m_end = std::min(M, (mb + 1) * mrows);
+      for (int64_t m0 = mb * mrows; m0 < m_end; m0 += 3) {
+        const int16_t* xt = xq + m0 * K;
+        const float* dxt = dx + m0 * nb;
+        const float* xst = xs + m0 * nb;
+        float* yt = y + m0 * N + t * 64;
+        switch (std::min<int64_t>(3, m_end - m0)) {
+          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
+          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
+          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor mn,
@@ -305,4 +460,36 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
     }
   }, /*spin=*/false);
   return w;
+}
+
+// x [M, K] float32 @ w.T with w in lane layout (see lane_tile): lanes [N / 64, K / 32, 8, 8 (4-bit) or 16 (8-bit), 8, 2]
+// bytes, dl and ml [N / 64, K / 32, 8, 8] float16 (ml empty for 8-bit). Returns y [M, N] float32.
+torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
+                              int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(lanes.is_contiguous() && lanes.dim() == 6 && lanes.size(1) == nb && lanes.size(2) == 8 &&
+              lanes.size(3) == (bits == 4 ? 8 : 16) && lanes.size(4) == 8 && lanes.size(5) == 2 &&
+              lanes.element_size() == 1, "lanes must be [N/64, K/32, 8, 8 or 16, 8, 2] bytes");
+  const int64_t N = lanes.size(0) * 64;
+  TORCH_CHECK(dl.is_contiguous() && dl.dtype() == torch::kFloat16 && dl.numel() == N * nb,
+              "dl must be [N/64, K/32, 8, 8] float16");
+  TORCH_CHECK(bits == 8 || (ml.is_contiguous() && ml.dtype() == torch::kFloat16 && ml.numel() == N * nb),
+              "ml must be [N/64, K/32, 8, 8] float16 for 4-bit weights");
+  auto xc = x.contiguous();
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> dx(M * nb), xs(M * nb);
+  quantize_activations(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  auto y = torch::empty({M, N}, x.options());
+  const auto* wl = static_cast<const uint8_t*>(lanes.data_ptr());
+  const auto* d = reinterpret_cast<const uint16_t*>(dl.data_ptr<at::Half>());
+  if (bits == 4) {
+    const auto* m = reinterpret_cast<const uint16_t*>(ml.data_ptr<at::Half>());
+    lane_gemm_impl<4>(xq.data(), dx.data(), xs.data(), M, K, wl, d, m, N, y.data_ptr<float>());
+  } else {
+    lane_gemm_impl<8>(xq.data(), dx.data(), xs.data(), M, K, wl, d, d, N, y.data_ptr<float>());  // ml not read
+  }
+  return y;
 }

@@ -87,19 +87,19 @@ def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tenso
         v_cache.write(v, slot_mapping)
         return
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Keys or values of the blocks ``block_ids`` ([..., n] int64) as a [..., kv_heads, n * block_size, head_dim]
-    strided view of one gathered copy (dequantized to ``dtype`` for an int8 cache)."""
+    strided view of one gathered copy (converted to ``dtype``; dequantized for an int8 cache)."""
     _, block_size, kv_heads, head_dim = cache.shape
     lead = block_ids.shape[:-1]
     if isinstance(cache, Int8KVCache):
         blocks = cache.gather(block_ids, dtype)
-    else:
-        blocks = cache.index_select(0, block_ids.reshape(-1))  # [prod(lead) * n, block_size, kv_heads, head_dim]
+    else:  # [prod(lead) * n, block_size, kv_heads, head_dim]
+        blocks = cache.index_select(0, block_ids.reshape(-1)).to(dtype)
     blocks = blocks.view(*lead, block_ids.shape[-1] * block_size, kv_heads, head_dim)
     return blocks.transpose(-3, -2)
 
@@ -118,6 +118,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         [T, num_heads, head_dim] attention output, scaled by 1/sqrt(head_dim).
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype != k.dtype:
+        # a float16 cache: this step's keys/values as the cache holds them, so a token's attention reads the same
+        # values whether its context was computed in this step, an earlier chunk or came from the prefix cache
+        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     if meta.decode_kernel is not None and not meta.prefills and len(meta.decode_groups) == 1:  # decode-only step

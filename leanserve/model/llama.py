@@ -64,12 +64,17 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     (no fast bf16 GEMM on CPU). ``min_rows`` > T zero-pads x to that many rows for a GEMM (batch-invariant mode
     of the NumPy path: every row then goes through the same kernel whatever T is).
 
-    A :class:`BlockQuantWeight` runs its block kernel on the first ``kernel_rows`` rows (decode tokens; None: all)
-    when there are at most ``BLOCK_KERNEL_MAX_ROWS`` of them, and dequantizes to fp32 for a GEMM on the others
+    A :class:`BlockQuantWeight` in lane layout runs its lane kernel on all rows (each row's result independent of
+    the others). In file layout it runs its block kernel on the first ``kernel_rows`` rows (decode tokens; None:
+    all) when there are at most ``BLOCK_KERNEL_MAX_ROWS`` of them, and dequantizes to fp32 for a GEMM on the others
     (prefill tokens: always that path, so a prompt token's result does not depend on how the prompt was chunked or
-    how much of it came from the prefix cache; the GEMM is also the faster path for many rows). With ``min_rows``
-    (batch-invariant mode) every row runs the block kernel.
+    how much of it came from the prefix cache). With ``min_rows`` (batch-invariant mode) every row runs the block
+    kernel.
     """
+    if isinstance(w, BlockQuantWeight) and w.lanes:
+        y = w.kernel(x if x.dtype == torch.float32 else x.float())
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if b is None else y + b
     if isinstance(w, BlockQuantWeight):
         t = x.shape[0]
         n = t if min_rows or kernel_rows is None else kernel_rows  # leading rows that may run the block kernel
@@ -221,7 +226,8 @@ class LlamaModel:
                 gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=proj(p + "mlp.down_proj.weight"),
             ))
-        blocks = [t for layer in self.layers for t in vars(layer).values() if isinstance(t, BlockQuantWeight)]
+        blocks = [t for layer in self.layers for t in vars(layer).values()
+                  if isinstance(t, BlockQuantWeight) and not t.lanes]
         if blocks:  # one dequantization buffer for all layers (large batches), reused so it stays in cache
             scratch = torch.empty(max(b.shape[0] * b.shape[1] for b in blocks))
             for b in blocks:

@@ -16,7 +16,7 @@ from leanserve.errors import UnsupportedQuantizationError
 # and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4" quantize
 # every projection from float weights at load.
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto" = the model dtype
+KV_CACHE_DTYPES = ("auto", "float16", "int8")  # "auto" = the model dtype
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -39,7 +39,8 @@ def check_kv_cache_dtype(dtype: str) -> None:
     """Validate a ``--kv-cache-dtype``.
 
     Raises:
-        UnsupportedQuantizationError: anything but "auto" or "int8" (fp8 is not offered: this CPU has no fp8 math).
+        UnsupportedQuantizationError: anything but "auto", "float16" or "int8" (fp8 is not offered: this CPU has no
+            fp8 math).
     """
     if dtype not in KV_CACHE_DTYPES:
         raise UnsupportedQuantizationError(

@@ -84,12 +84,12 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str = "auto", model_dtype: str = "float32") -> int:
     """Bytes one token takes in the KV cache over all layers: ``2 x layers x kv_heads x head_dim x bytes``
     (+ a float32 scale per token and KV head for int8). ``kv_cache_dtype`` "auto" means ``model_dtype``
-    ("float32", "float16" or "bfloat16").
+    ("float32", "float16" or "bfloat16"); "float16" is 2 bytes per element.
 
     Raises:
         UnsupportedQuantizationError: unknown ``kv_cache_dtype``. KeyError: unknown ``model_dtype``.
     """
     check_kv_cache_dtype(kv_cache_dtype)
     per_head = (config.head_dim + SCALE_BYTES if kv_cache_dtype == "int8"
-                else config.head_dim * _ELEMENT_BYTES[model_dtype])
+                else config.head_dim * _ELEMENT_BYTES["float16" if kv_cache_dtype == "float16" else model_dtype])
     return 2 * config.num_layers * config.num_kv_heads * per_head

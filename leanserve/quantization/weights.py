@@ -160,31 +160,38 @@ class Int4Weight:
         return y.to(x.dtype)
 
 
-# Rows up to which BlockQuantWeight runs its own kernel; above, it dequantizes to fp32 and runs the BLAS GEMM.
-# Measured on this 2-core AVX2 CPU for the default model's 3072x576 gate/up matrix (benchmarks/quant.py, 2 threads):
-# kernel vs dequantize + GEMM 0.94/1.23 ms at 32 rows, 1.60/1.47 ms at 48, 3.7/3.0 ms at 128, 15.5/10.0 at 512.
+# Rows up to which a BlockQuantWeight in file layout (an output width not divisible by 8) runs its block kernel;
+# above, it dequantizes to fp32 and runs the BLAS GEMM. Measured on a 2-core AVX2 CPU for a 3072x576 matrix (2
+# threads): kernel vs dequantize + GEMM 0.94/1.23 ms at 32 rows, 1.60/1.47 ms at 48, 15.5/10.0 at 512.
 BLOCK_KERNEL_MAX_ROWS = 40
 
 
 @dataclass
 class BlockQuantWeight:
-    """A GGUF Q4_1 / Q4_0 / Q8_0 matrix kept in its file layout for leanserve's native kernel.
+    """A GGUF Q4_1 / Q4_0 / Q8_0 matrix holding the file's codes and fp16 scales, for leanserve's native kernels.
 
     ``w[n, k] = d[n, b] * q[n, k] + mn[n, b]`` for the block ``b = k // 32`` (Q4_0 is held as Q4_1 with
-    ``mn = -8 d``, exact in fp16; Q8_0 has no ``mn``). Products with up to :data:`BLOCK_KERNEL_MAX_ROWS` rows run
-    ``block_quant_gemm`` (see leanserve/kernels/block_quant_gemm.cpp: int16 activations per block, exact int32 dot
-    products, fp32 output; each row's result independent of the others); larger ones dequantize to fp32 and use
-    the float GEMM, which is faster there.
+    ``mn = -8 d``, exact in fp16; Q8_0 has no ``mn``). Two layouts of the same bytes:
+
+    * lane layout (``lanes=True``, what :meth:`from_group` makes when the output width is a multiple of 64 and the
+      lane kernel is compiled): the file's bytes permuted so that 8 outputs fill one register's lanes;
+      ``lane_quant_gemm`` (leanserve/kernels/block_quant_gemm.cpp) runs every product, one row or thousands: int16
+      activations per block of 32, exact int32 dot products, fp32 output, each row's result independent of the
+      others (so prefix caching, chunking and batching never change a token's numbers).
+    * file layout (other widths): ``block_quant_gemm`` up to :data:`BLOCK_KERNEL_MAX_ROWS` rows (the same
+      arithmetic), above that dequantize to fp32 and the float GEMM.
 
     Attributes:
-        codes: 4-bit: [out, in // 2] uint8, ggml's nibble order (byte j of a block: element j low, j + 16 high);
-            8-bit: [out, in] int8.
-        d: [out, in // 32] float16 block scales.
-        mn: [out, in // 32] float16 block offsets (4-bit), or None (8-bit).
+        codes: file layout: 4-bit [out, in // 2] uint8 in ggml's nibble order (byte j of a block: element j low,
+            j + 16 high), 8-bit [out, in] int8. Lane layout: [out // 64, in // 32, 8, P, 8, 2] with P = 8 (4-bit)
+            or 16 (8-bit): element (t, b, g, p, l, i) = byte 2p + i of block b of output 64t + 8g + l.
+        d: [out, in // 32] float16 block scales (lane layout: [out // 64, in // 32, 8, 8]).
+        mn: block offsets (4-bit) in the same layout as ``d``, or None (8-bit).
         bits: 4 or 8.
         ext: the compiled extension (leanserve.kernels.native_ops()).
-        scratch: a float32 buffer the large-batch path dequantizes into when it is big enough (the model shares
-            one among its layers, so the fp32 copy stays in cache instead of being allocated per call), or None.
+        scratch: a float32 buffer the file layout's large-batch path dequantizes into when it is big enough (the
+            model shares one among its layers, so the fp32 copy stays in cache), or None.
+        lanes: which layout ``codes``, ``d`` and ``mn`` are in.
     """
 
     codes: torch.Tensor
@@ -193,10 +200,14 @@ class BlockQuantWeight:
     bits: int
     ext: Any
     scratch: torch.Tensor | None = None
+    lanes: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
         """(out_features, in_features)."""
+        if self.lanes:
+            tiles, blocks = self.codes.shape[:2]
+            return (tiles * 64, blocks * 32)
         out, width = self.codes.shape
         return (out, width * 2 if self.bits == 4 else width)
 
@@ -206,9 +217,10 @@ class BlockQuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.mn) if t is not None)
 
     @classmethod
-    def from_group(cls, g: GroupQuantized, ext: Any) -> BlockQuantWeight:
-        """Repack ``g``'s codes into the file layout, its scales back to the file's fp16 (exact: the loader widened
-        them from fp16).
+    def from_group(cls, g: GroupQuantized, ext: Any, lanes: bool = True) -> BlockQuantWeight:
+        """Repack ``g``'s codes into the file's bytes, its scales back to the file's fp16 (exact: the loader widened
+        them from fp16); in lane layout when ``lanes``, the output width is a multiple of 64 and ``ext`` has the
+        lane kernel.
 
         Raises:
             ValueError: a group size other than 32, or a Q4_0 scale too large for ``-8 d`` in fp16.
@@ -217,17 +229,51 @@ class BlockQuantWeight:
             raise ValueError(f"block kernels need groups of 32, got {g.group_size}")
         d = g.scale.to(torch.float16)
         if g.bits == 8:
-            return cls(g.codes.to(torch.int8).contiguous(), d.contiguous(), None, 8, ext)
-        mn = g.bias if g.bias is not None else torch.zeros_like(g.scale)
-        if g.offset:
-            mn = mn - g.offset * g.scale
-        mn16 = mn.to(torch.float16)
-        if not torch.equal(mn16.float(), mn):
-            raise ValueError("a block offset is not exact in float16")
-        out, k = g.shape
-        c = g.codes.view(out, k // 32, 32)
-        packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(out, k // 2)
-        return cls(packed.contiguous(), d.contiguous(), mn16.contiguous(), 4, ext)
+            w = cls(g.codes.to(torch.int8).contiguous(), d.contiguous(), None, 8, ext)
+        else:
+            mn = g.bias if g.bias is not None else torch.zeros_like(g.scale)
+            if g.offset:
+                mn = mn - g.offset * g.scale
+            mn16 = mn.to(torch.float16)
+            if not torch.equal(mn16.float(), mn):
+                raise ValueError("a block offset is not exact in float16")
+            out, k = g.shape
+            c = g.codes.view(out, k // 32, 32)
+            packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(out, k // 2)
+            w = cls(packed.contiguous(), d.contiguous(), mn16.contiguous(), 4, ext)
+        if lanes and w.shape[0] % 64 == 0 and hasattr(ext, "lane_quant_gemm"):
+            w = w.to_lanes()
+        return w
+
+    def to_lanes(self) -> BlockQuantWeight:
+        """The same bytes in lane layout (a copy). Raises ValueError when the output width is not a multiple of 64."""
+        if self.lanes:
+            return self
+        out, k = self.shape
+        if out % 64:
+            raise ValueError(f"the lane layout needs a multiple of 64 outputs, got {out}")
+        nb, pairs = k // 32, 8 if self.bits == 4 else 16
+
+        def scales(s: torch.Tensor | None) -> torch.Tensor | None:  # [tile, group, lane, b] -> [tile, b, group, lane]
+            return None if s is None else s.view(out // 64, 8, 8, nb).permute(0, 3, 1, 2).contiguous()
+
+        # [tile, group, lane, b, p, i] -> [tile, b, group, p, lane, i]
+        codes = self.codes.view(out // 64, 8, 8, nb, pairs, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        return BlockQuantWeight(codes, scales(self.d), scales(self.mn), self.bits, self.ext, self.scratch, lanes=True)
+
+    def _file_rows(self, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, d and mn (or an empty fp16 tensor) of the rows ``ids`` (None: all) in file layout."""
+        if not self.lanes:
+            if ids is None:
+                return self.codes, self.d, self._mn()
+            mn = self.mn[ids].contiguous() if self.mn is not None else _NONE_F16
+            return self.codes[ids].contiguous(), self.d[ids].contiguous(), mn
+        out, _ = self.shape
+        ids = torch.arange(out) if ids is None else ids
+        t, g, lane = ids // 64, ids // 8 % 8, ids % 8
+        codes = self.codes[t, :, g, :, lane, :].reshape(len(ids), -1)  # [T, blocks, P, 2] -> the file's row bytes
+        mn = self.mn[t, :, g, lane].contiguous() if self.mn is not None else _NONE_F16
+        return codes.contiguous(), self.d[t, :, g, lane].contiguous(), mn
 
     def dequantize(self, use_scratch: bool = False) -> torch.Tensor:
         """The float32 [out, in] matrix, equal to gguf-py's dequantization of the source tensor. With
@@ -236,24 +282,27 @@ class BlockQuantWeight:
         buf = self.scratch if use_scratch and self.scratch is not None else _NONE
         if buf.numel() < self.shape[0] * self.shape[1]:
             buf = _NONE
-        return self.ext.block_dequantize(self.codes, self.d, self._mn(), self.bits, buf)
+        codes, d, mn = self._file_rows()
+        return self.ext.block_dequantize(codes, d, mn, self.bits, buf)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``w[ids]``: [len(ids), in] float32 (an embedding lookup). ids: [T] int64."""
-        mn = self.mn[ids].contiguous() if self.mn is not None else self._mn()
-        return self.ext.block_dequantize(self.codes[ids].contiguous(), self.d[ids].contiguous(), mn, self.bits,
-                                         _NONE)
+        codes, d, mn = self._file_rows(ids)
+        return self.ext.block_dequantize(codes, d, mn, self.bits, _NONE)
 
     def matmul(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """``x @ w.T`` for x [M, in] float: [M, out] float32. ``row_invariant`` keeps the kernel at every M, so a
-        row's result never depends on how many rows came with it (batch-invariant mode)."""
+        row's result never depends on how many rows came with it (batch-invariant mode; always so in lane
+        layout)."""
         x = x.float()
-        if row_invariant or x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
+        if self.lanes or row_invariant or x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
             return self.kernel(x)
         return torch.nn.functional.linear(x, self.dequantize())
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` through the block kernel at any M: x [M, in] float32, returns [M, out] float32."""
+        """``x @ w.T`` through the lane or block kernel at any M: x [M, in] float32, returns [M, out] float32."""
+        if self.lanes:
+            return self.ext.lane_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
         return self.ext.block_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
 
     def _mn(self) -> torch.Tensor:

@@ -32,7 +32,8 @@ class ModelRunnerOutput:
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                       kv_cache_dtype: str = "auto") -> list[tuple[KVCache, KVCache]]:
     """Zeroed K and V caches for every layer, each [num_blocks, block_size, kv_heads, head_dim]: float tensors of
-    ``dtype`` (default the model's), or :class:`Int8KVCache` when ``kv_cache_dtype == "int8"``.
+    ``dtype`` (default the model's; float16 when ``kv_cache_dtype == "float16"``), or :class:`Int8KVCache` when
+    ``kv_cache_dtype == "int8"``.
 
     Zeroing matters: padding slots are read (then masked), and masked garbage NaNs would poison the output.
 
@@ -46,7 +47,7 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype
         return [(Int8KVCache.zeros(*args, device=model.device), Int8KVCache.zeros(*args, device=model.device))
                 for _ in range(cfg.num_layers)]
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    dtype = dtype or model.dtype
+    dtype = torch.float16 if kv_cache_dtype == "float16" else dtype or model.dtype
     return [(torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
             for _ in range(cfg.num_layers)]
 
@@ -97,10 +98,10 @@ class ModelRunner:
         self.device = model.device
         self._rng = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
-        self.decode_kernel = None  # native paged decode attention, used for fp32 caches on CPU
+        self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
-                and k_cache.dtype == torch.float32:
+                and model.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16):
             ext = native_ops()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
 

@@ -28,8 +28,9 @@ def same(a, b) -> bool:
     return a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_cold_full_hit_partial_hit_and_no_cache_are_bitwise_equal(loaded_auto):
-    llm = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_cold_full_hit_partial_hit_and_no_cache_are_bitwise_equal(loaded_auto, kv_cache_dtype):
+    llm = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.model.quantization == "auto" and llm.engine.config.quantization == "auto"
     tok = llm.get_tokenizer()
     ids = tok.encode(STORY * 3)
@@ -43,16 +44,18 @@ def test_cold_full_hit_partial_hit_and_no_cache_are_bitwise_equal(loaded_auto):
     run(llm, shared + tok.encode(" Then the storm came."))  # caches the shared blocks only
     partial = run(llm, shared + tok.encode(" The keeper smiled."))
     assert 0 < partial.num_cached_tokens < 40
-    off = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    off = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype)
     assert same(partial, run(off, shared + tok.encode(" The keeper smiled.")))
 
 
-def test_chunked_prompt_equals_unchunked_in_the_default_config(loaded_auto):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_chunked_prompt_equals_unchunked_in_the_default_config(loaded_auto, kv_cache_dtype):
     tok_ids = None
     outs = []
     for threshold, budget in ((0, None), (256, 2048), (64, 100)):
         llm = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, long_prefill_token_threshold=threshold,
-                  max_num_batched_tokens=budget, enable_prefix_caching=False)
+                  max_num_batched_tokens=budget, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
         tok_ids = tok_ids or llm.get_tokenizer().encode(STORY * 4)[:258]  # 256 + 2: no 2-token last piece
         outs.append(run(llm, tok_ids))
     assert same(outs[0], outs[1]) and same(outs[0], outs[2])

@@ -21,15 +21,16 @@ def dense_reference(q, keys, values):
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]  # [H, D]
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [9, 12])
 @pytest.mark.parametrize("native", [True, False])
-def test_decode_attention_matches_dense(native, heads):
+def test_decode_attention_matches_dense(native, heads, cache_dtype):
     if native and native_ops() is None:
         pytest.fail("the native kernel did not build (a C++ compiler and ninja are installed by `make`)")
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen)
-    v_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen)
+    k_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(cache_dtype)
     lens = [1, 17, 100, 333]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
@@ -49,7 +50,7 @@ def test_decode_attention_matches_dense(native, heads):
                              decode_kernel=native_ops().paged_decode_attention if native else None)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
-        keys = k_cache[t].reshape(-1, KVH, D)[:n]
-        values = v_cache[t].reshape(-1, KVH, D)[:n]
-        assert torch.equal(keys[-1], k_new[i])  # the new token was written to its slot first
+        keys = k_cache[t].reshape(-1, KVH, D)[:n].float()
+        values = v_cache[t].reshape(-1, KVH, D)[:n].float()
+        assert torch.equal(keys[-1], k_new[i].to(cache_dtype).float())  # the new token was written to its slot first
         torch.testing.assert_close(out[i], dense_reference(q[i], keys, values), atol=1e-5, rtol=1e-5)

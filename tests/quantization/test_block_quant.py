@@ -1,5 +1,5 @@
-"""leanserve's block kernel (leanserve/kernels/block_quant_gemm.cpp) on GGUF Q4_0 / Q4_1 / Q8_0 tensors: the
-weights are the file's exactly, and the products match fp32 dequantize-then-matmul far inside bf16 tolerance."""
+"""leanserve's block and lane kernels (leanserve/kernels/block_quant_gemm.cpp) on GGUF Q4_0 / Q4_1 / Q8_0 tensors:
+the weights are the file's exactly, and the products match fp32 dequantize-then-matmul far inside bf16 tolerance."""
 
 from __future__ import annotations
 
@@ -22,18 +22,22 @@ from tests.loader.gguf_helpers import write_gguf_file
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native block kernel did not build")
 
-OUT, IN = 160, 576  # 18 blocks per row (an even and an odd tail for the 2-way unrolled loop are both hit below)
+# 3 tiles of 64 outputs (lane layout); 18 blocks per row (the block kernel's 2-way unrolled loop: an even count)
+OUT, IN = 192, 576
 
 
-def _weight(tmp_path: Path, qtype: QT, out: int = OUT, k: int = IN) -> tuple[BlockQuantWeight, np.ndarray]:
-    """A random matrix quantized by gguf-py, written to a GGUF file, read natively and packed for the block kernel;
-    with gguf-py's dequantization of the same tensor."""
+def _weight(tmp_path: Path, qtype: QT, out: int = OUT, k: int = IN, lanes: bool = True,
+            ) -> tuple[BlockQuantWeight, np.ndarray]:
+    """A random matrix quantized by gguf-py, written to a GGUF file, read natively and packed for the native kernels
+    (lane layout, or the file layout when ``lanes`` is False); with gguf-py's dequantization of the same tensor."""
     rng = np.random.default_rng(int(qtype) * 7 + k)
     w = (rng.standard_normal((out, k)) * 0.05 + rng.uniform(-0.02, 0.02, (out, 1))).astype(np.float32)
     reader = open_gguf(write_gguf_file(tmp_path / "t.gguf", "llama", [("w", gguf.quants.quantize(w, qtype), qtype)]))
     expect = gguf.quants.dequantize(reader.tensors[0].data, qtype).reshape(out, k)
-    packed = pack_group_quantized(read_group_quantized(reader.tensors[0]), native_ops())
-    assert isinstance(packed, BlockQuantWeight)
+    group = read_group_quantized(reader.tensors[0])
+    packed = pack_group_quantized(group, native_ops()) if lanes else BlockQuantWeight.from_group(
+        group, native_ops(), lanes=False)
+    assert isinstance(packed, BlockQuantWeight) and packed.lanes == (lanes and out % 64 == 0)
     return packed, expect
 
 
@@ -45,7 +49,10 @@ def test_block_weight_keeps_the_file_values(tmp_path: Path, qtype: QT) -> None:
     ids = torch.tensor([5, 0, 159, 5])
     assert np.array_equal(w.rows(ids).numpy(), expect[ids.numpy()])  # embedding lookup
     bits_per_weight = {QT.Q4_0: 5, QT.Q4_1: 5, QT.Q8_0: 8.5}[qtype]  # Q4_0 is held as Q4_1 (one more fp16)
-    assert w.nbytes == OUT * IN * bits_per_weight / 8
+    assert w.nbytes == OUT * IN * bits_per_weight / 8  # the lane layout is the file's bytes, permuted
+    file, _ = _weight(tmp_path, qtype, lanes=False)
+    assert file.nbytes == w.nbytes and np.array_equal(file.dequantize().numpy(), expect)
+    assert np.array_equal(file.rows(ids).numpy(), expect[ids.numpy()])
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
@@ -56,13 +63,16 @@ def test_block_matmul_matches_fp32_reference(tmp_path: Path, qtype: QT, m: int) 
     x[0, 7] = 40.0  # an outlier: int16 per block of 32 keeps the rest of its block precise
     ref = x.double() @ torch.from_numpy(expect).double().T
     bias = torch.linspace(-1, 1, OUT)
-    y = linear(x, w, bias)
-    assert y.dtype == torch.float32 and y.shape == (m, OUT)
     # int16 activations: each block's error <= 0.5 * max|x_block| / 32767 * sum|w_block|, plus fp32 sums
     scale = x.abs().view(m, -1, 32).amax(-1).double() / 32767  # [m, blocks]
     wabs = torch.from_numpy(np.abs(expect)).double().view(OUT, -1, 32).sum(-1)  # [out, blocks]
     bound = 0.5 * scale @ wabs.T + 1e-5 * (x.abs().double() @ torch.from_numpy(np.abs(expect)).double().T) + 1e-5
+    y = linear(x, w, bias)  # the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the lane kernel above
+    assert y.dtype == torch.float32 and y.shape == (m, OUT)
     assert torch.all((y.double() - bias.double() - ref).abs() <= bound)
+    file, _ = _weight(tmp_path, qtype, lanes=False)
+    for kernel in (w.kernel, file.kernel):  # the lane and the block kernel at every M
+        assert torch.all((kernel(x).double() - ref).abs() <= bound)
 
 
 def test_block_matmul_rows_are_independent(tmp_path: Path) -> None:
@@ -72,10 +82,33 @@ def test_block_matmul_rows_are_independent(tmp_path: Path) -> None:
     batch = w.matmul(x, row_invariant=True)
     for i in (0, 1, 5, BLOCK_KERNEL_MAX_ROWS + 7):
         assert torch.equal(w.matmul(x[i:i + 1]), batch[i:i + 1])
-    assert torch.equal(w.matmul(x[:BLOCK_KERNEL_MAX_ROWS])[4:9], w.matmul(x[4:9]))
+    assert torch.equal(w.kernel(x[:12])[4:9], w.kernel(x[4:9]))
 
 
-def test_block_kernel_rejects_bad_shapes(tmp_path: Path) -> None:
-    w, _ = _weight(tmp_path, QT.Q4_1)
-    with pytest.raises(RuntimeError, match="K must be a multiple of 32|codes must be"):
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_lane_kernel_rows_are_independent(tmp_path: Path, qtype: QT) -> None:
+    """The lane kernel's result for a row does not depend on M or the row's place (tiles of 3 rows, m-blocks)."""
+    w, _ = _weight(tmp_path, qtype, out=320)  # 5 tiles of 64 outputs
+    assert w.lanes
+    x = torch.randn(200, IN, generator=torch.Generator().manual_seed(5))
+    batch = w.kernel(x)
+    for i in (0, 1, 2, 3, 97, 131, 199):
+        assert torch.equal(w.kernel(x[i:i + 1]), batch[i:i + 1])
+    assert torch.equal(w.kernel(x[50:57]), batch[50:57])
+
+
+def test_file_layout_when_the_width_is_not_a_multiple_of_64(tmp_path: Path) -> None:
+    w, expect = _weight(tmp_path, QT.Q4_1, out=40)
+    assert not w.lanes and w.nbytes == 40 * IN * 5 / 8
+    x = torch.randn(20, IN, generator=torch.Generator().manual_seed(9))
+    ref = x.double() @ torch.from_numpy(expect).double().T
+    assert (linear(x, w).double() - ref).abs().max() < 1e-3  # dequantize + fp32 GEMM
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_kernels_reject_bad_shapes(tmp_path: Path, lanes: bool) -> None:
+    w, _ = _weight(tmp_path, QT.Q4_1, lanes=lanes)
+    with pytest.raises(RuntimeError, match="lanes must be|codes must be"):
         w.matmul(torch.randn(2, IN - 32))
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        w.matmul(torch.randn(2, IN - 3))

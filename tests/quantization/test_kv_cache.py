@@ -1,4 +1,4 @@
-"""The int8 KV cache: quantization error, attention against the fp32 cache, and its capacity in the engine."""
+"""The int8 and float16 KV caches: quantization error, attention against the fp32 cache, capacity in the engine."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.config import EngineConfig
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.errors import UnsupportedQuantizationError
+from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
 from leanserve.quantization.kv_cache import Int8KVCache, kv_bytes_per_token, quantize_per_token_head
 from leanserve.sampling_params import SamplingParams
@@ -99,3 +100,25 @@ def test_kv_int8_capacity_and_errors(loaded) -> None:
     assert outs[0][:3] == outs[1][:3]
     with pytest.raises(UnsupportedQuantizationError, match="kv_cache_dtype"):
         LLMEngine(EngineConfig(kv_cache_dtype="fp8"), loaded=loaded)
+
+
+def test_kv_float16_capacity_and_agreement(loaded) -> None:
+    """A float16 cache holds twice the fp32 cache's tokens, runs the native decode kernel, and decodes greedily
+    like the fp32 cache on a prompt with a clear answer (the same tokens here)."""
+    cfg = loaded.config
+    assert kv_bytes_per_token(cfg, "float16") == kv_bytes_per_token(cfg) // 2 == 23040
+    mem = 32 << 20
+    e32 = LLMEngine(EngineConfig(kv_cache_memory=mem), loaded=loaded)
+    e16 = LLMEngine(EngineConfig(kv_cache_memory=mem, kv_cache_dtype="float16"), loaded=loaded)
+    assert 0 <= e16.kv.num_tokens_capacity() - 2 * e32.kv.num_tokens_capacity() <= 16  # whole blocks of 16
+    assert e16.runner.kv_caches[0][0].dtype == torch.float16
+    assert (e16.runner.decode_kernel is not None) == (native_ops() is not None)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = []
+    for engine in (e32, e16):
+        engine.add_request("r", "The capital of France is", params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs.append(o.outputs[0].token_ids)
+    assert outs[0] == outs[1]

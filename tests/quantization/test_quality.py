@@ -40,9 +40,9 @@ def test_quantized_quality_on_default_model() -> None:
 
 def test_default_native_model_computes_what_the_fp32_model_computes() -> None:
     """The default configuration ("auto": Q4_1 projections and the Q8_0 embedding/output in their file layout)
-    holds the file's weights exactly, with under 1/4 of the weight memory: prompt tokens (dequantize + fp32 GEMM)
-    score as in the dequantized fp32 model, and decode steps (the block kernel, int16 activations per block of 32)
-    stay within a few thousandths of its log-probabilities."""
+    holds the file's weights exactly, with under 1/4 of the weight memory, and its kernel (int16 activations per
+    block of 32, exact int32 dot products) stays within a few thousandths of the dequantized fp32 model's
+    log-probabilities, on prompt tokens and on decode steps."""
     if native_ops() is None:
         pytest.skip("the native block kernel did not build")
     loaded = load_model(None, quantization="auto")
@@ -53,7 +53,7 @@ def test_default_native_model_computes_what_the_fp32_model_computes() -> None:
     assert isinstance(model.layers[0].gate_up, BlockQuantWeight)
     assert model.weight_bytes() < 0.25 * ref_model.weight_bytes()
     diff = (token_logprobs(model, ids, chunk=128) - token_logprobs(ref_model, ids, chunk=128)).abs().max().item()
-    assert diff < 1e-3, diff  # the output projection of the last 43-row chunk runs the kernel
+    assert diff < 1e-2, diff  # measured 0.003 over 300 prompt tokens
 
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=1, ignore_eos=True)
     outs = {}
