@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python -m benchmarks.decode
 
 clean:
 	rm -rf $(VENV)

@@ -14,7 +14,7 @@ Writes JSON (--out) and one PNG with both servers' curves (--plot).
 Usage:
     .venv/bin/python -m benchmarks.compare_servers [--llama-server PATH] [--workloads customer-service,knowledge-qa]
         [--rates 0.5,1,2 | --rates customer-service=0.5,1,2 knowledge-qa=0.05,0.1] [--num-prompts 32]
-    llama-server: --llama-server, $LLAMA_SERVER, or where ../shared/tools/build-llama-cpp.sh builds it.
+    llama-server: --llama-server, $LLAMA_SERVER, or where benchmarks/README.md builds it.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> None:
 
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        raise SystemExit("llama-server not found: pass --llama-server or run ../shared/tools/build-llama-cpp.sh")
+        raise SystemExit("llama-server not found: pass --llama-server or build it as benchmarks/README.md says")
     model = args.model or default_model_path()
     workloads = args.workloads.split(",")
     for w in workloads:

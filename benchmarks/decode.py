@@ -2,7 +2,7 @@
 transformers' generate (fp32).
 
 Same model file, same prompts, same run (transformers in a fresh subprocess); results as ratios. Usage:
-    .venv/bin/python benchmarks/decode.py [--decode-tokens 128] [--prefill-tokens 512] [--repeats 3]
+    .venv/bin/python -m benchmarks.decode [--decode-tokens 128] [--prefill-tokens 512] [--repeats 3]
 Writes benchmarks/results/decode.json and prints a table.
 """
 

@@ -96,7 +96,7 @@ def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int) -> dict:
     """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp) and ``llama-batched-bench`` (tg at 32)."""
     server = find_llama_server(None)
     if server is None:
-        return {"error": "llama.cpp binaries not found (run ../shared/tools/build-llama-cpp.sh)"}
+        return {"error": "llama.cpp binaries not found (build them as benchmarks/README.md says)"}
     bin_dir = Path(server).parent
     res: dict = {}
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", str(prefill_tokens), "-n",

@@ -8,7 +8,7 @@ sequences per step with a float16 KV cache (llama.cpp's default KV type); llama-
 fastest setting here (workload (a) at half size: 62.7 output tok/s with 16 slots, 57.0 with 64).
 
 Usage:
-    .venv/bin/python benchmarks/throughput.py [--workloads mixed,kb] [--hf-requests 16] [--llama-server PATH]
+    .venv/bin/python -m benchmarks.throughput [--workloads mixed,kb] [--hf-requests 16] [--llama-server PATH]
 transformers is slow, so it runs the first --hf-requests requests of each workload (its rate is comparable).
 Writes benchmarks/results/throughput.json and prints a table.
 """
@@ -143,7 +143,7 @@ def main() -> None:
         if binary:
             res["llama.cpp"] = run_llama_server(binary, loaded.path, reqs, args.llama_slots, threads)
         else:
-            res["llama.cpp"] = {"skipped": "llama-server not found: run ../shared/tools/build-llama-cpp.sh"}
+            res["llama.cpp"] = {"skipped": "llama-server not found: build it as benchmarks/README.md says"}
         if args.hf_requests:
             # in a fresh process: transformers ran up to 40% slower in a process where leanserve had run
             with peer_environ(), mp.get_context("spawn").Pool(1) as pool:

@@ -97,19 +97,19 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
             raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
-        self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
-                                max_position=max(self.max_model_len, ctx), quantization=config.quantization,
-                                group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
-                                native_kernels=config.use_native_kernels)
         cfg = loaded.config
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
         bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, dtype_name)
         self.kv_bytes_per_token = bytes_per_token
-        mem = config.kv_cache_memory or self._default_kv_memory()
-        num_blocks = int(mem // (bytes_per_token * config.block_size))
-        if num_blocks < 1:
-            raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory={mem} bytes holds no block of "
-                                        f"{config.block_size} tokens ({bytes_per_token} bytes per token)")
+        if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
+            self._num_kv_blocks(config.kv_cache_memory)
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
+                                max_position=max(self.max_model_len, ctx), quantization=config.quantization,
+                                group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
+                                native_kernels=config.use_native_kernels)
+        # the default on a GPU is a fraction of the memory left free by the weights
+        num_blocks = self._num_kv_blocks(config.kv_cache_memory if config.kv_cache_memory is not None
+                                         else self._default_kv_memory())
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  min_uncached_tokens=PREFILL_MIN_ROWS)
         if num_blocks * config.block_size < self.max_model_len:
@@ -129,6 +129,14 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         self.load_time_s = loaded.load_time_s
         self.init_time_s = time.perf_counter() - t0
+
+    def _num_kv_blocks(self, mem: int) -> int:
+        """KV blocks that ``mem`` bytes hold. Raises InvalidParameterError when not even one."""
+        num_blocks = int(mem // (self.kv_bytes_per_token * self.config.block_size))
+        if num_blocks < 1:
+            raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory={mem} bytes holds no block of "
+                                        f"{self.config.block_size} tokens ({self.kv_bytes_per_token} bytes per token)")
+        return num_blocks
 
     def _default_kv_memory(self) -> int:
         if self.device.type == "cuda":

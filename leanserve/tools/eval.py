@@ -35,7 +35,7 @@ class EvalConfig:
 
     name: str  # as given on the command line, e.g. "int4+kv-int8"
     quantization: str  # weights: none, auto, int8 or int4
-    kv_cache_dtype: str  # auto or int8
+    kv_cache_dtype: str  # auto, float16 or int8
 
 
 @dataclass
@@ -56,7 +56,8 @@ class ConfigResult:
 
 
 def parse_configs(text: str) -> list[EvalConfig]:
-    """``"none,int8,int4,kv-int8,int4+kv-int8"`` -> configs; "kv-int8" alone keeps unquantized weights.
+    """``"none,int8,int4,kv-int8,int4+kv-int8,auto+kv-float16"`` -> configs; "kv-int8" (or "kv-float16") alone
+    keeps unquantized weights.
 
     Raises:
         InvalidParameterError: an unknown part or an empty list.
@@ -65,13 +66,14 @@ def parse_configs(text: str) -> list[EvalConfig]:
     for name in (c.strip() for c in text.split(",") if c.strip()):
         quant, kv = "none", "auto"
         for part in name.split("+"):
-            if part == "kv-int8":
-                kv = "int8"
+            if part in ("kv-int8", "kv-float16"):
+                kv = part[3:]
             elif part in QUANTIZATION_METHODS:
                 quant = part
             else:
                 raise InvalidParameterError("configs", f"unknown config part {part!r} in {name!r}; use "
-                                            f"{', '.join(QUANTIZATION_METHODS)} or kv-int8, joined with '+'")
+                                            f"{', '.join(QUANTIZATION_METHODS)}, kv-int8 or kv-float16, joined "
+                                            f"with '+'")
         configs.append(EvalConfig(name, quant, kv))
     if not configs:
         raise InvalidParameterError("configs", "no configuration given")

@@ -9,7 +9,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     """Add the ``eval`` options to ``p``."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--configs", default="none,int8,int4",
-                   help="comma-separated: none, auto, int8, int4, kv-int8, or joined with '+' (int4+kv-int8); "
+                   help="comma-separated: none, auto, int8, int4, kv-int8, kv-float16, or joined with '+' "
+                        "(int4+kv-int8); "
                         "the first is the baseline")
     p.add_argument("--text", default=None, help="text file for perplexity (default: the bundled public-domain text)")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of the text to score")

@@ -208,3 +208,10 @@ def test_max_model_len_beyond_the_models_context_is_rejected(loaded):
     ctx = loaded.config.max_position_embeddings
     with pytest.raises(InvalidParameterError, match=f"context of {ctx} tokens"):
         LLM(loaded=loaded, kv_cache_memory=16 << 20, max_model_len=ctx + 1)
+
+
+@pytest.mark.parametrize("mem", [0, 1000, -1])
+def test_kv_cache_memory_too_small_is_rejected(loaded, mem):
+    """0 bytes is too little, not "the default" (only None means that)."""
+    with pytest.raises(InvalidParameterError, match="holds no block"):
+        LLM(loaded=loaded, kv_cache_memory=mem)

@@ -89,15 +89,7 @@ def test_kv_int8_capacity_and_errors(loaded) -> None:
     k0 = e8.runner.kv_caches[0][0]
     assert isinstance(k0, Int8KVCache) and k0.nbytes * 2 * cfg.num_layers <= mem
     # greedy decoding through the int8 cache starts like the fp32 one on a prompt with a clear answer
-    params = SamplingParams(temperature=0, max_tokens=6)
-    outs = []
-    for engine in (e32, e8):
-        engine.add_request("r", "The capital of France is", params)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    outs.append(o.outputs[0].token_ids)
-    assert outs[0][:3] == outs[1][:3]
+    assert _greedy(e32, 6)[:3] == _greedy(e8, 6)[:3]
     with pytest.raises(UnsupportedQuantizationError, match="kv_cache_dtype"):
         LLMEngine(EngineConfig(kv_cache_dtype="fp8"), loaded=loaded)
 
@@ -113,12 +105,13 @@ def test_kv_float16_capacity_and_agreement(loaded) -> None:
     assert 0 <= e16.kv.num_tokens_capacity() - 2 * e32.kv.num_tokens_capacity() <= 16  # whole blocks of 16
     assert e16.runner.kv_caches[0][0].dtype == torch.float16
     assert (e16.runner.decode_kernel is not None) == (native_ops() is not None)
-    params = SamplingParams(temperature=0, max_tokens=16)
-    outs = []
-    for engine in (e32, e16):
-        engine.add_request("r", "The capital of France is", params)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    outs.append(o.outputs[0].token_ids)
-    assert outs[0] == outs[1]
+    assert _greedy(e32, 16) == _greedy(e16, 16)
+
+
+def _greedy(engine: LLMEngine, max_tokens: int) -> list[int]:
+    """Greedy token ids for a prompt with a clear answer, through the engine loop."""
+    engine.add_request("r", "The capital of France is", SamplingParams(temperature=0, max_tokens=max_tokens))
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    return out[0]

@@ -34,9 +34,10 @@ def test_metrics() -> None:
 
 
 def test_parse_configs_and_test_sets(tmp_path) -> None:
-    cfgs = parse_configs("none, int8,int4+kv-int8,kv-int8")
+    cfgs = parse_configs("none, int8,int4+kv-int8,kv-int8,auto+kv-float16")
     assert [(c.quantization, c.kv_cache_dtype) for c in cfgs] == [("none", "auto"), ("int8", "auto"),
-                                                                   ("int4", "int8"), ("none", "int8")]
+                                                                   ("int4", "int8"), ("none", "int8"),
+                                                                   ("auto", "float16")]
     with pytest.raises(InvalidParameterError, match="unknown config part 'fp8'"):
         parse_configs("none,fp8")
     cases = load_test_set(default_tests_path())
