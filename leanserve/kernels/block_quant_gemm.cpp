@@ -105,6 +105,27 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, flo
 }
 
 
+// x [M, K] float32 checked and quantized for the kernels (both entry points): xq, dx, xs as quantize_activations.
+struct QuantizedRows {
+  int64_t M, K, nb;
+  std::vector<int16_t> xq;
+  std::vector<float> dx, xs;
+
+  QuantizedRows(const torch::Tensor& x, int64_t bits) {
+    TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+    TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
+    TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
+    M = x.size(0);
+    K = x.size(1);
+    nb = K / kBlock;
+    xq.resize(M * K);
+    dx.resize(M * nb);
+    xs.resize(M * nb);
+    auto xc = x.contiguous();
+    quantize_activations(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  }
+};
+
 // One output row n against T activation rows: out[t * N] for t < T. kBits = 4 or 8.
 template <int kBits, int T>
 inline void row_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, const int16_t* xq,
@@ -371,28 +392,22 @@ void lane_gemm_impl(const int16_t* xq, const float* dx, const float* xs, int64_t
 
 torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor mn,
                                int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
+  QuantizedRows xr(x, bits);
+  const int64_t M = xr.M, K = xr.K, N = codes.size(0), nb = xr.nb;
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 2 && codes.size(1) == (bits == 4 ? K / 2 : K) &&
               codes.element_size() == 1, "codes must be [N, K/2] uint8 (4-bit) or [N, K] int8 (8-bit)");
   TORCH_CHECK(d.is_contiguous() && d.dtype() == torch::kFloat16 && d.size(0) == N && d.size(1) == nb,
               "d must be [N, K/32] float16");
   TORCH_CHECK(bits == 8 || (mn.is_contiguous() && mn.dtype() == torch::kFloat16 && mn.sizes() == d.sizes()),
               "mn must be [N, K/32] float16");
-  auto xc = x.contiguous();
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> dx(M * nb), xs(M * nb);
-  quantize_activations(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
   auto y = torch::empty({M, N}, x.options());
   const auto* wq = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   if (bits == 4) {
     const auto* wm = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
-    gemm<4>(xq.data(), dx.data(), xs.data(), M, K, wq, wd, wm, N, y.data_ptr<float>());
+    gemm<4>(xr.xq.data(), xr.dx.data(), xr.xs.data(), M, K, wq, wd, wm, N, y.data_ptr<float>());
   } else {
-    gemm<8>(xq.data(), dx.data(), xs.data(), M, K, wq, wd, nullptr, N, y.data_ptr<float>());
+    gemm<8>(xr.xq.data(), xr.dx.data(), xr.xs.data(), M, K, wq, wd, nullptr, N, y.data_ptr<float>());
   }
   return y;
 }
@@ -466,10 +481,8 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
 // bytes, dl and ml [N / 64, K / 32, 8, 8] float16 (ml empty for 8-bit). Returns y [M, N] float32.
 torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
                               int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  QuantizedRows xr(x, bits);
+  const int64_t M = xr.M, K = xr.K, nb = xr.nb;
   TORCH_CHECK(lanes.is_contiguous() && lanes.dim() == 6 && lanes.size(1) == nb && lanes.size(2) == 8 &&
               lanes.size(3) == (bits == 4 ? 8 : 16) && lanes.size(4) == 8 && lanes.size(5) == 2 &&
               lanes.element_size() == 1, "lanes must be [N/64, K/32, 8, 8 or 16, 8, 2] bytes");
@@ -478,18 +491,14 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
               "dl must be [N/64, K/32, 8, 8] float16");
   TORCH_CHECK(bits == 8 || (ml.is_contiguous() && ml.dtype() == torch::kFloat16 && ml.numel() == N * nb),
               "ml must be [N/64, K/32, 8, 8] float16 for 4-bit weights");
-  auto xc = x.contiguous();
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> dx(M * nb), xs(M * nb);
-  quantize_activations(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
   auto y = torch::empty({M, N}, x.options());
   const auto* wl = static_cast<const uint8_t*>(lanes.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(dl.data_ptr<at::Half>());
   if (bits == 4) {
     const auto* m = reinterpret_cast<const uint16_t*>(ml.data_ptr<at::Half>());
-    lane_gemm_impl<4>(xq.data(), dx.data(), xs.data(), M, K, wl, d, m, N, y.data_ptr<float>());
-  } else {
-    lane_gemm_impl<8>(xq.data(), dx.data(), xs.data(), M, K, wl, d, d, N, y.data_ptr<float>());  // ml not read
+    lane_gemm_impl<4>(xr.xq.data(), xr.dx.data(), xr.xs.data(), M, K, wl, d, m, N, y.data_ptr<float>());
+  } else {  // no offsets: ml is not read
+    lane_gemm_impl<8>(xr.xq.data(), xr.dx.data(), xr.xs.data(), M, K, wl, d, d, N, y.data_ptr<float>());
   }
   return y;
 }

@@ -71,14 +71,11 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     how much of it came from the prefix cache). With ``min_rows`` (batch-invariant mode) every row runs the block
     kernel.
     """
-    if isinstance(w, BlockQuantWeight) and w.lanes:
-        y = w.kernel(x if x.dtype == torch.float32 else x.float())
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y if b is None else y + b
     if isinstance(w, BlockQuantWeight):
         t = x.shape[0]
-        n = t if min_rows or kernel_rows is None else kernel_rows  # leading rows that may run the block kernel
-        if not min_rows and n > BLOCK_KERNEL_MAX_ROWS:
+        row_invariant = w.lanes or min_rows  # every row through the kernel
+        n = t if row_invariant or kernel_rows is None else kernel_rows  # leading rows that may run the kernel
+        if not row_invariant and n > BLOCK_KERNEL_MAX_ROWS:
             n = 0
         xf = x if x.dtype == torch.float32 else x.float()
         if n == t:
