@@ -13,7 +13,7 @@ from leanserve.bench.corpus import Corpus
 from leanserve.bench.datasets import load_dataset
 from leanserve.bench.report import print_run, print_sweep, sweep_rows, write_json
 from leanserve.bench.runner import BenchConfig, RunResult, parse_rates, run_benchmark, run_sweep
-from leanserve.bench.stats import parse_goodput
+from leanserve.bench.stats import max_sustained_rate, parse_goodput
 from leanserve.bench.workloads import WORKLOADS, BenchRequest, make_workload
 from leanserve.tokenizer import Tokenizer
 
@@ -40,6 +40,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000 (milliseconds)")
     p.add_argument("--sweep", default=None, metavar="RATES",
                    help="comma-separated request rates (e.g. 0.5,1,2,inf): one run each, a summary and a plot")
+    p.add_argument("--slo-attainment-goal", type=float, default=0.9, metavar="FRACTION",
+                   help="with --sweep and --goodput: report the highest rate at which at least this share of "
+                        "requests meets every SLO (DistServe's goodput; default 0.9)")
     p.add_argument("--result-json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG plot to this file")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -80,13 +83,16 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed ``args`` describe; 0 when every request succeeded, 1 otherwise.
 
     Raises:
-        ValueError: bad --goodput, --sweep, rate, burstiness or concurrency values, or an unusable dataset.
+        ValueError: bad --goodput, --sweep, --slo-attainment-goal, rate, burstiness or concurrency values, or an
+            unusable dataset.
         RuntimeError: the server's model list cannot be read.
     """
     slos = parse_goodput(args.goodput)
     rates = parse_rates(args.sweep) if args.sweep else None
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    if not 0 < args.slo_attainment_goal <= 1:
+        raise ValueError(f"--slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
     tokenizer = load_tokenizer(args.tokenizer)
     corpus = None if args.dataset else Corpus.load(tokenizer)
     config = BenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
@@ -108,8 +114,12 @@ def run_bench(args: argparse.Namespace) -> int:
                          count_tokens)
         for run in runs:
             print_run(run)
-        print_sweep(runs)
-        payload = {"label": label, "summary": sweep_rows(runs), "runs": [r.to_dict() for r in runs]}
+        print_sweep(runs, goal=args.slo_attainment_goal)
+        best = max_sustained_rate([(r.config.request_rate, r.metrics.slo_attainment) for r in runs],
+                                  args.slo_attainment_goal) if slos else None
+        payload = {"label": label, "summary": sweep_rows(runs), "slo_attainment_goal": args.slo_attainment_goal,
+                   "max_sustained_rate": "inf" if best is not None and math.isinf(best) else best,
+                   "runs": [r.to_dict() for r in runs]}
     _write_outputs(args, runs, payload, label, sweep=rates is not None)
     return 0 if all(r.metrics.failed == 0 for r in runs) else 1
 

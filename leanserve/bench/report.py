@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from leanserve.bench.runner import RunResult
-from leanserve.bench.stats import percentile_name
+from leanserve.bench.stats import max_sustained_rate, percentile_name
 
 LATENCY_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
                   "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
@@ -44,6 +44,7 @@ def print_run(run: RunResult, out: TextIO = sys.stdout) -> None:
     if m.request_goodput is not None:
         _line(out, "Goodput SLOs:", " ".join(f"{k}<={v:g}ms" for k, v in run.config.slos.items()))
         _line(out, "Request goodput (req/s):", m.request_goodput)
+        _line(out, "SLO attainment (%):", _pct(m.slo_attainment))
     _line(out, "Output token throughput (tok/s):", m.output_throughput)
     _line(out, "Total token throughput (tok/s):", m.total_token_throughput)
     _line(out, "Peak concurrent requests:", m.max_concurrent_requests)
@@ -76,21 +77,30 @@ def sweep_rows(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
         d = run.to_dict()
         rows.append({k: d.get(k) for k in (
             "request_rate", "completed", "failed", "request_throughput", "output_throughput", "request_goodput",
-            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")})
+            "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")})
     return rows
 
 
-def print_sweep(runs: Sequence[RunResult], out: TextIO = sys.stdout) -> None:
-    """A sweep as one line per offered rate."""
-    head = ("rate", "ok", "fail", "req/s", "out tok/s", "goodput", "p50 TTFT", "p99 TTFT", "p50 TPOT", "p99 TPOT")
+def print_sweep(runs: Sequence[RunResult], out: TextIO = sys.stdout, goal: float = 0.9) -> None:
+    """A sweep as one line per offered rate, then (with SLOs) the max sustained rate: the highest rate whose SLO
+    attainment, and that of every lower rate, is >= ``goal`` (see :func:`leanserve.bench.stats.max_sustained_rate`).
+    """
+    head = ("rate", "ok", "fail", "req/s", "out tok/s", "goodput", "SLO %", "p50 TTFT", "p99 TTFT", "p50 TPOT",
+            "p99 TPOT")
     out.write("".join(f"{h:>10}" for h in head) + "\n")
-    for row in sweep_rows(runs):
+    rows = sweep_rows(runs)
+    for row in rows:
         cells = [row["request_rate"], row["completed"], row["failed"], row["request_throughput"],
-                 row["output_throughput"], row["request_goodput"], row["median_ttft_ms"], row["p99_ttft_ms"],
-                 row["median_tpot_ms"], row["p99_tpot_ms"]]
+                 row["output_throughput"], row["request_goodput"], _pct(row["slo_attainment"]),
+                 row["median_ttft_ms"], row["p99_ttft_ms"], row["median_tpot_ms"], row["p99_tpot_ms"]]
         out.write("".join(f"{'n/a' if c is None else (f'{c:.2f}' if isinstance(c, float) else c):>10}"
                           for c in cells) + "\n")
-    out.write("(latencies in ms; goodput in requests/s meeting every SLO)\n")
+    out.write("(latencies in ms; goodput in requests/s meeting every SLO; SLO %: share of sent requests that do)\n")
+    if any(row["slo_attainment"] is not None for row in rows):
+        best = max_sustained_rate([(run.config.request_rate, row["slo_attainment"])
+                                   for run, row in zip(runs, rows, strict=True)], goal)
+        out.write(f"max sustained rate (SLO attainment >= {goal:.0%} up to it): "
+                  f"{'none of the swept rates' if best is None else f'{best:g} req/s'}\n")
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

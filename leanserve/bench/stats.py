@@ -4,7 +4,10 @@
 - TPOT per request: ``(e2el - ttft) / (output_tokens - 1)``, the first token excluded (requests with one output
   token have none). ITL: every gap between consecutive output chunks, over all requests.
 - Throughputs divide by the benchmark's duration; input / output tokens count successful requests only.
-- Goodput: successful requests per second that meet every given SLO (TTFT, TPOT, E2EL, in milliseconds).
+- Goodput: successful requests per second that meet every given SLO (TTFT, TPOT, E2EL, in milliseconds);
+  SLO attainment: the fraction of sent requests that do.
+- Max sustained rate over a sweep: the highest offered rate at which the SLO attainment (and at every lower swept
+  rate) reaches a goal such as 90%, the "goodput" of DistServe (Zhong et al., OSDI 2024, section 2).
 - Percentiles interpolate linearly (``numpy.percentile``'s default); an empty sample reports 0.
 """
 
@@ -104,6 +107,7 @@ class BenchmarkMetrics:
     output_throughput: float
     total_token_throughput: float
     max_concurrent_requests: int
+    slo_attainment: float | None = None
     latency: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -134,9 +138,29 @@ def compute_metrics(results: Sequence[RequestResult], duration: float, slos: dic
     latency: dict[str, float] = {}
     for name in LATENCY_METRICS:
         latency.update(summarize_ms(samples[name], name, percentiles))
-    goodput = None if not slos else sum(is_good(r, slos) for r in ok) / duration
+    good = sum(is_good(r, slos) for r in ok) if slos else None
+    goodput = None if good is None else good / duration
+    attainment = None if good is None or not results else good / len(results)
     return BenchmarkMetrics(
         completed=len(ok), failed=len(results) - len(ok), duration=duration, total_input_tokens=input_tokens,
         total_output_tokens=output_tokens, request_throughput=len(ok) / duration, request_goodput=goodput,
         output_throughput=output_tokens / duration, total_token_throughput=(input_tokens + output_tokens) / duration,
-        max_concurrent_requests=max_concurrency_seen(results), latency=latency)
+        max_concurrent_requests=max_concurrency_seen(results), slo_attainment=attainment, latency=latency)
+
+
+def max_sustained_rate(points: Sequence[tuple[float, float | None]], goal: float = 0.9) -> float | None:
+    """The highest offered rate (requests/s) of a sweep whose SLO attainment, and that of every lower rate, is
+    >= ``goal``: DistServe's goodput (Zhong et al., OSDI 2024). ``points`` are ``(rate, slo_attainment)`` pairs in
+    any order; an attainment of None counts as a miss. None when even the lowest rate misses the goal.
+
+    Raises:
+        ValueError: ``goal`` is not in (0, 1].
+    """
+    if not 0 < goal <= 1:
+        raise ValueError(f"SLO attainment goal must be in (0, 1], got {goal}")
+    best = None
+    for rate, attainment in sorted(points, key=lambda p: p[0]):
+        if attainment is None or attainment < goal:
+            break
+        best = rate
+    return best

@@ -72,6 +72,7 @@ def test_bench_dataset_chat(server, tmp_path):
     assert sorted(d["output_lens"]) == sorted(n for _, n in PROMPTS)  # ignore_eos: exactly max_tokens each
     assert all(n > 5 for n in d["input_lens"])  # the server's usage: chat template included
     assert d["request_goodput"] == pytest.approx(d["request_throughput"])  # generous SLOs: every request is good
+    assert d["slo_attainment"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -83,10 +84,12 @@ def test_bench_workload_sweep_completions(server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert [r["request_rate"] for r in d["summary"]] == [4.0, "inf"]
+    assert d["max_sustained_rate"] is None and d["slo_attainment_goal"] == 0.9
+    assert "max sustained rate (SLO attainment >= 90% up to it): none of the swept rates" in proc.stdout
     for run in d["runs"]:
         check_run(run, 1)
         assert run["endpoint_type"] == "completions"
-        assert run["request_goodput"] == 0.0  # nobody gets a first token within 1 ms
+        assert run["request_goodput"] == 0.0 and run["slo_attainment"] == 0.0  # no first token within 1 ms
         assert 200 <= run["input_lens"][0] <= 500 and 20 <= run["output_lens"][0] <= 80  # the scenario's ranges
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -94,3 +97,5 @@ def test_bench_workload_sweep_completions(server, tmp_path):
 def test_bench_bad_arguments(server):
     proc = bench("--base-url", server.url, "--goodput", "latency:5")
     assert proc.returncode == 2 and "goodput" in proc.stderr
+    proc = bench("--base-url", server.url, "--sweep", "1", "--slo-attainment-goal", "1.5")
+    assert proc.returncode == 2 and "--slo-attainment-goal must be in (0, 1]" in proc.stderr

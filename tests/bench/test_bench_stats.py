@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from leanserve.bench.client import RequestResult
-from leanserve.bench.stats import compute_metrics, is_good, max_concurrency_seen, parse_goodput, percentile_name, tpot
+from leanserve.bench.stats import (
+    compute_metrics,
+    is_good,
+    max_concurrency_seen,
+    max_sustained_rate,
+    parse_goodput,
+    percentile_name,
+    tpot,
+)
 
 import pytest
 
@@ -63,6 +71,10 @@ def test_goodput_under_slos():
     assert compute_metrics(r, 2.0, {"ttft": 400, "tpot": 200}).request_goodput == pytest.approx(0.5)  # only r3
     assert compute_metrics(r, 2.0, {"ttft": 600, "tpot": 600}).request_goodput == pytest.approx(1.5)  # all three
     assert compute_metrics(r, 2.0, {"e2el": 1500}).request_goodput == pytest.approx(1.0)  # r1 and r3
+    # attainment divides by every sent request (4, one failed), not by the duration
+    assert compute_metrics(r, 2.0, {"e2el": 1500}).slo_attainment == pytest.approx(0.5)
+    assert compute_metrics(r, 2.0, {"ttft": 400, "tpot": 200}).slo_attainment == pytest.approx(0.25)
+    assert compute_metrics(r, 2.0).slo_attainment is None
     assert is_good(r[2], {"tpot": 0})  # one output token: TPOT counts as 0
     assert not is_good(r[3], {"ttft": 10_000})  # failures are never good
 
@@ -98,3 +110,16 @@ def test_max_concurrency_seen_back_to_back():
     # one request ends exactly when the next starts: never two in flight
     rs = [RequestResult(start=0.0, latency=1.0), RequestResult(start=1.0, latency=1.0)]
     assert max_concurrency_seen(rs) == 1
+
+
+def test_max_sustained_rate():
+    sweep = [(2.0, 0.85), (0.5, 1.0), (1.0, 0.95), (4.0, 0.95)]  # unordered; 4 req/s passes again after 2 fails
+    assert max_sustained_rate(sweep) == 1.0  # the goal must hold at every lower rate too
+    assert max_sustained_rate(sweep, goal=0.8) == 4.0
+    assert max_sustained_rate(sweep, goal=1.0) == 0.5
+    assert max_sustained_rate([(0.5, 0.5), (1.0, 1.0)]) is None
+    assert max_sustained_rate([(0.5, 1.0), (1.0, None), (2.0, 1.0)]) == 0.5  # no SLOs at a rate: a miss
+    assert max_sustained_rate([(1.0, 0.9), (float("inf"), 0.9)]) == float("inf")
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="goal"):
+            max_sustained_rate(sweep, goal=bad)
