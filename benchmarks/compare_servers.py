@@ -17,6 +17,7 @@ Writes JSON (--out) and one PNG with both servers' curves (--plot).
 Usage:
     .venv/bin/python -m benchmarks.compare_servers [--llama-server PATH] [--workloads customer-service,knowledge-qa]
         [--rates 0.5,1,2 | --rates customer-service=0.5,1,2 knowledge-qa=0.05,0.1] [--num-prompts 32]
+        [--slo-attainment-goal 0.9]
     llama-server: --llama-server, $LLAMA_SERVER, or where benchmarks/README.md builds it.
 """
 
@@ -38,7 +39,7 @@ from leanserve.loader import default_model_path
 
 from benchmarks.common import LeanserveServer, LlamaServer, find_llama_server, write_json
 
-DEFAULT_RATES = {"customer-service": [0.25, 0.5, 1.0, 2.0, 4.0], "knowledge-qa": [0.05, 0.1, 0.2],
+DEFAULT_RATES = {"customer-service": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0], "knowledge-qa": [0.05, 0.1, 0.2],
                  "code-assistant": [0.05, 0.1, 0.2], "copywriting": [0.05, 0.1, 0.2]}
 SERVERS = ("leanserve", "llama.cpp")
 TTFT_LIMIT_MS = 2000.0
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--plot", default="benchmarks/results/compare_servers.png")
     args = ap.parse_args()
 
+    if not 0 < args.slo_attainment_goal <= 1:
+        raise SystemExit(f"--slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
     binary = find_llama_server(args.llama_server)
     if binary is None:
         raise SystemExit("llama-server not found: pass --llama-server or build it as benchmarks/README.md says")
@@ -189,7 +192,7 @@ def main() -> None:
                           "num_prompts": args.num_prompts, "goodput_slos_ms": slos,
                           "slo_attainment_goal": args.slo_attainment_goal, "targets": figures,
                           "results": results})
-    print(f"wrote {plot_sweep(results, args.plot)}")
+    print(f"wrote {plot_sweep(results, args.plot, goal=args.slo_attainment_goal)}")
 
 
 if __name__ == "__main__":

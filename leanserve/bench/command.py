@@ -132,7 +132,8 @@ def _write_outputs(args: argparse.Namespace, runs: Sequence[RunResult], payload:
         from leanserve.bench.plot import plot_run, plot_sweep
 
         if sweep:
-            path = plot_sweep({label: {runs[0].model_id: [r.to_dict() for r in runs]}}, args.plot)
+            path = plot_sweep({label: {runs[0].model_id: [r.to_dict() for r in runs]}}, args.plot,
+                              goal=args.slo_attainment_goal)
         else:
             path = plot_run(runs[0].to_dict(), args.plot)
         print(f"wrote {path}")

@@ -1,5 +1,6 @@
 """PNG plots of benchmark results with matplotlib's Agg backend (no display needed): one run (latency
-distributions and a timeline) and sweeps (throughput and p50/p99 TTFT against offered load, several servers)."""
+distributions and a timeline) and sweeps (throughput, p50/p99 TTFT and SLO attainment against offered load,
+several servers)."""
 
 from __future__ import annotations
 
@@ -55,15 +56,21 @@ def _x_positions(rates: Sequence[Any], finite_max: float) -> list[float]:
             for r in rates]
 
 
-def plot_sweep(panels: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], path: str | Path) -> Path:
-    """One row per panel (e.g. workload), each with output throughput / goodput and p50 / p99 TTFT against the
-    offered request rate, one curve per series (e.g. server). ``panels[name][series]`` is a list of run dicts
-    (:meth:`RunResult.to_dict`); the rate ``inf`` is drawn right of the largest finite rate. Returns the path.
+def plot_sweep(panels: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], path: str | Path,
+               goal: float | None = None) -> Path:
+    """One row per panel (e.g. workload), each with output throughput, goodput / request throughput and p50 / p99
+    TTFT against the offered request rate, plus the SLO attainment (%) when the runs had SLOs (with a line at
+    ``goal``, a fraction, when given); one curve per series (e.g. server). ``panels[name][series]`` is a list of
+    run dicts (:meth:`RunResult.to_dict`); the rate ``inf`` is drawn right of the largest finite rate. Returns
+    the path.
 
     Raises:
         OSError: the file cannot be written.
     """
-    fig, axes = plt.subplots(len(panels), 3, figsize=(15, 4 * len(panels)), squeeze=False)
+    with_slos = any(r.get("slo_attainment") is not None for series in panels.values() for runs in series.values()
+                    for r in runs)
+    ncols = 4 if with_slos else 3
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(5 * ncols, 4 * len(panels)), squeeze=False)
     for row, (panel, series) in enumerate(panels.items()):
         finite = [float(r["request_rate"]) for runs in series.values() for r in runs if r["request_rate"] != "inf"]
         finite_max = max(finite, default=1.0)
@@ -78,7 +85,14 @@ def plot_sweep(panels: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], 
                               label=f"{name} throughput")
             axes[row, 2].plot(x, [r["median_ttft_ms"] / 1000 for r in runs], "o-", color=color, label=f"{name} p50")
             axes[row, 2].plot(x, [r["p99_ttft_ms"] / 1000 for r in runs], "s:", color=color, label=f"{name} p99")
-        for ax, ylabel in zip(axes[row], ("output tokens/s", "requests/s", "TTFT (s)"), strict=True):
+            attained = [(xi, 100 * r["slo_attainment"]) for xi, r in zip(x, runs, strict=True)
+                        if r.get("slo_attainment") is not None]
+            if with_slos and attained:
+                axes[row, 3].plot(*zip(*attained, strict=True), "o-", color=color, label=name)
+        if with_slos and goal is not None:
+            axes[row, 3].axhline(100 * goal, color="gray", linestyle="--", label=f"goal {goal:.0%}")
+        ylabels = ("output tokens/s", "requests/s", "TTFT (s)", "requests within SLOs (%)")[:ncols]
+        for ax, ylabel in zip(axes[row], ylabels, strict=True):
             ax.set_xlabel("offered rate (requests/s)")
             ax.set_ylabel(ylabel)
             ax.set_title(panel)
