@@ -77,6 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _failure(proc: subprocess.Popen, timeout: float) -> str:
+    """Why a server never became healthy: its exit status, or the timeout (seconds)."""
+    code = proc.poll()
+    return f"did not become healthy in {timeout:g} s" if code is None else f"exited with status {code} at start"
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     """Poll ``url/health`` every 0.5 s until it answers 200 (True), the process exits or ``timeout`` seconds pass
     (False)."""
@@ -112,8 +118,9 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.cmd, env=peer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not wait_healthy(self.url, self.proc, 120):
+            why = _failure(self.proc, 120)  # before __exit__ stops a live process
             self.__exit__()
-            raise RuntimeError(f"llama-server did not become healthy in 120 s: {' '.join(self.cmd)}")
+            raise RuntimeError(f"llama-server {why}: {' '.join(self.cmd)}")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,8 +150,9 @@ class LeanserveServer:
         self.proc = subprocess.Popen(self.cmd, cwd=root, env=self.env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         if not wait_healthy(self.url, self.proc, 300):
+            why = _failure(self.proc, 300)  # before __exit__ stops a live process
             self.__exit__()
-            raise RuntimeError(f"leanserve did not become healthy in 300 s: {' '.join(self.cmd)}")
+            raise RuntimeError(f"leanserve {why}: {' '.join(self.cmd)}")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,10 +166,13 @@ class LeanserveServer:
 
 
 def find_llama_server(explicit: str | None) -> str | None:
-    """Path of llama-server: ``explicit``, $LLAMA_SERVER, or the folder shared/tools/build-llama-cpp.sh builds."""
+    """Path of llama-server: ``explicit`` (None when it is given but not an executable file: a wrong path is an
+    error, not a reason to use another binary), else $LLAMA_SERVER, else the folder benchmarks/README.md builds."""
+    if explicit:
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
     built = Path.home() / ".cache/leanserve-peers/llama-cpp-0.3.36/src/vendor/llama.cpp/build/bin/llama-server"
-    candidates = [explicit, os.environ.get("LLAMA_SERVER"), str(built)]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    candidates = [os.environ.get("LLAMA_SERVER"), str(built)]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -7,7 +7,7 @@ scenarios of leanserve.bench, chat endpoint, greedy, exact output lengths), then
 
 Prints every run, a ratio table (leanserve / llama-server), each server's max sustained rate per workload (the
 highest swept rate at which >= 90% of requests meet the SLOs, TTFT <= 2 s and TPOT <= 200 ms by default, at it and
-every lower rate: DistServe's goodput) and the issue's two target figures:
+every lower rate: DistServe's goodput) and the two target figures leanserve is held to:
   - customer-service: leanserve's max sustained rate / llama-server's (target >= 2x); also, at the highest swept
     rate where llama-server's p99 TTFT stays under 2 s, both servers' request goodput (there llama-server serves
     nearly every request within the SLOs, so no server can reach 2x its goodput in requests/s at that rate);
@@ -24,7 +24,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +44,9 @@ from benchmarks.common import LeanserveServer, LlamaServer, find_llama_server, w
 DEFAULT_RATES = {"customer-service": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0], "knowledge-qa": [0.05, 0.1, 0.2],
                  "code-assistant": [0.05, 0.1, 0.2], "copywriting": [0.05, 0.1, 0.2]}
 SERVERS = ("leanserve", "llama.cpp")
+SERVER_NAMES = {"leanserve": "leanserve", "llama.cpp": "llama-server"}
 TTFT_LIMIT_MS = 2000.0
+CHAT_TEMPLATE_MARGIN = 64  # tokens a chat template adds around a prompt (room to spare for the default model's)
 
 
 def rates_by_workload(items: Sequence[str] | None, workloads: Sequence[str]) -> dict[str, list[float]]:
@@ -64,8 +68,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def sustained_rates(results: dict[str, dict[str, list[dict[str, Any]]]], goal: float) -> dict[str, Any]:
     """Per workload: each server's max sustained rate (the highest swept rate whose SLO attainment, and that of
-    every lower rate, is >= ``goal``; DistServe's goodput), their ratio, and whether leanserve's figure is only a
-    lower bound (it met the goal at the highest swept rate)."""
+    every lower rate, is >= ``goal``; DistServe's goodput), their ratio, and which figures are only lower bounds
+    (the server met the goal at the highest swept rate)."""
     out: dict[str, Any] = {}
     for workload, by_server in results.items():
         best = {name: max_sustained_rate([(_rate_value(r["request_rate"]), r["slo_attainment"]) for r in runs], goal)
@@ -73,7 +77,7 @@ def sustained_rates(results: dict[str, dict[str, list[dict[str, Any]]]], goal: f
         top = max(_rate_value(r["request_rate"]) for r in by_server["leanserve"])
         out[workload] = {"goal": goal, "leanserve": best["leanserve"], "llama.cpp": best["llama.cpp"],
                          "ratio": ratio(best["leanserve"], best["llama.cpp"]),
-                         "leanserve_lower_bound": best["leanserve"] == top}
+                         "lower_bounds": [name for name in SERVERS if best[name] == top]}
     return out
 
 
@@ -130,34 +134,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
     ap.add_argument("--model", default=None, help="GGUF file served by both (default: the default model)")
-    ap.add_argument("--workloads", default="customer-service,knowledge-qa")
+    ap.add_argument("--workloads", default="customer-service,knowledge-qa",
+                    help=f"comma-separated, from {', '.join(WORKLOADS)} (default: customer-service,knowledge-qa)")
     ap.add_argument("--rates", nargs="+", default=None, help="RATES for all, or WORKLOAD=RATES (requests/s)")
-    ap.add_argument("--num-prompts", type=int, default=32, help="requests per run")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per run (default 32)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server (default 2)")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np; leanserve --max-num-seqs")
     ap.add_argument("--ctx", type=int, default=4096, help="context tokens per sequence / slot")
-    ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"])
+    ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], metavar="NAME:MS",
+                    help="SLOs in milliseconds (default: ttft:2000 tpot:200)")
     ap.add_argument("--slo-attainment-goal", type=float, default=0.9,
                     help="share of requests that must meet every SLO at a sustained rate (default 0.9)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/compare_servers.json")
-    ap.add_argument("--plot", default="benchmarks/results/compare_servers.png")
+    ap.add_argument("--seed", type=int, default=0, help="workload and arrival seed of the first rate (default 0)")
+    ap.add_argument("--out", default="benchmarks/results/compare_servers.json", help="JSON file to write")
+    ap.add_argument("--plot", default="benchmarks/results/compare_servers.png", help="PNG file to write")
     args = ap.parse_args()
 
+    # every argument is checked before a server starts: a sweep can take half an hour
     if not 0 < args.slo_attainment_goal <= 1:
         raise SystemExit(f"--slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
+    for name in ("num_prompts", "threads", "slots", "ctx"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        raise SystemExit("llama-server not found: pass --llama-server or build it as benchmarks/README.md says")
+        raise SystemExit(f"llama-server not found{f' at {args.llama_server}' if args.llama_server else ''}: pass "
+                         "--llama-server PATH or build it as benchmarks/README.md says")
     model = args.model or default_model_path()
+    if not os.path.isfile(model):
+        raise SystemExit(f"model file not found: {model}")
     workloads = args.workloads.split(",")
     for w in workloads:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    rates = rates_by_workload(args.rates, workloads)
+    try:
+        rates = rates_by_workload(args.rates, workloads)
+        slos = parse_goodput(args.goodput)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     tokenizer = load_tokenizer(model)
     corpus = Corpus.load(tokenizer)
-    slos = parse_goodput(args.goodput)
+    for w in workloads:  # the context must hold every request (prompt + chat template + output)
+        longest = max(r.prompt_len + r.max_tokens for i in range(len(rates[w]))
+                      for r in make_workload(w, corpus, args.num_prompts, args.seed + i))
+        if longest + CHAT_TEMPLATE_MARGIN > args.ctx:
+            raise SystemExit(f"--ctx {args.ctx} is too short for {w}: a request needs up to "
+                             f"{longest + CHAT_TEMPLATE_MARGIN} tokens")
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -173,21 +195,19 @@ def main() -> None:
             for w in workloads:
                 config = BenchConfig(base_url=srv.url, seed=args.seed, slos=slos, progress=True)
                 runs = run_sweep(config, lambda seed, w=w: make_workload(w, corpus, args.num_prompts, seed),
-                                 rates[w], f"{name} {w}", count_tokens)
-                for run in runs:
-                    print_run(run)
+                                 rates[w], f"{name} {w}", count_tokens, on_run=print_run)
                 print_sweep(runs, goal=args.slo_attainment_goal)
                 results[w][name] = [r.to_dict() for r in runs]
     print_ratios(results)
     print(f"\nmax sustained rate (req/s; SLO attainment >= {args.slo_attainment_goal:.0%} at it and below):")
     for workload, row in sustained_rates(results, args.slo_attainment_goal).items():
-        bound = " (leanserve: lower bound, the highest swept rate)" if row["leanserve_lower_bound"] else ""
+        bound = (f" (lower bound for {' and '.join(SERVER_NAMES[n] for n in row['lower_bounds'])}: met at the "
+                 "highest swept rate)") if row["lower_bounds"] else ""
         print(f"  {workload:<18} leanserve {row['leanserve']}  llama-server {row['llama.cpp']}  "
               f"ratio {_fmt(row['ratio'], 'x')}{bound}")
     figures = targets(results, args.slo_attainment_goal)
-    print("\ntargets:")
-    for key, value in figures.items():
-        print(f"  {key}: {value}")
+    if figures:
+        print("\ntargets:\n" + json.dumps(figures, indent=2))
     write_json(args.out, {"model": model, "threads": args.threads, "slots": args.slots, "ctx": args.ctx,
                           "num_prompts": args.num_prompts, "goodput_slos_ms": slos,
                           "slo_attainment_goal": args.slo_attainment_goal, "targets": figures,

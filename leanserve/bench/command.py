@@ -20,7 +20,8 @@ from leanserve.tokenizer import Tokenizer
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options of ``leanserve bench`` (names follow vLLM's ``bench serve``)."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server root; a trailing /v1 is dropped (default: http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--endpoint", default="chat", choices=["chat", "completions"],
                    help="/v1/chat/completions or /v1/completions")
@@ -30,16 +31,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--dataset", default=None,
                      help="ShareGPT JSON/JSONL conversations, or JSONL of {\"prompt\", \"max_tokens\"}")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (per rate with --sweep)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="mean requests per second (Poisson / gamma arrivals); default inf: all at once")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="mean requests per second (Poisson / gamma arrivals); default inf: all at once")
+    load.add_argument("--sweep", default=None, metavar="RATES",
+                      help="comma-separated request rates (e.g. 0.5,1,2,inf): one run each (printed and saved as "
+                           "it ends), a summary and a plot")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000 (milliseconds)")
-    p.add_argument("--sweep", default=None, metavar="RATES",
-                   help="comma-separated request rates (e.g. 0.5,1,2,inf): one run each, a summary and a plot")
     p.add_argument("--slo-attainment-goal", type=float, default=0.9, metavar="FRACTION",
                    help="with --sweep and --goodput: report the highest rate at which at least this share of "
                         "requests meets every SLO (DistServe's goodput; default 0.9)")
@@ -75,7 +78,11 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 def _requests_for(args: argparse.Namespace, tokenizer: Tokenizer, corpus: Corpus | None, seed: int
                   ) -> list[BenchRequest]:
     if args.dataset:
-        return load_dataset(args.dataset, tokenizer, args.num_prompts, seed)
+        requests = load_dataset(args.dataset, tokenizer, args.num_prompts, seed)
+        if len(requests) < args.num_prompts:
+            print(f"note: {args.dataset} has {len(requests)} usable requests; sending {len(requests)}, not "
+                  f"{args.num_prompts}", file=sys.stderr)
+        return requests
     return make_workload(args.workload or "customer-service", corpus, args.num_prompts, seed)
 
 
@@ -83,23 +90,23 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed ``args`` describe; 0 when every request succeeded, 1 otherwise.
 
     Raises:
-        ValueError: bad --goodput, --sweep, --slo-attainment-goal, rate, burstiness or concurrency values, or an
-            unusable dataset.
+        ValueError: bad --goodput, --sweep, --slo-attainment-goal, rate, burstiness, concurrency, timeout or
+            metrics-interval values, or an unusable dataset.
         RuntimeError: the server's model list cannot be read.
     """
     slos = parse_goodput(args.goodput)
-    rates = parse_rates(args.sweep) if args.sweep else None
+    rates = parse_rates(args.sweep) if args.sweep is not None else None
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if not 0 < args.slo_attainment_goal <= 1:
         raise ValueError(f"--slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
-    tokenizer = load_tokenizer(args.tokenizer)
-    corpus = None if args.dataset else Corpus.load(tokenizer)
     config = BenchConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                          request_rate=args.request_rate, burstiness=args.burstiness,
                          max_concurrency=args.max_concurrency, seed=args.seed, slos=slos, api_key=args.api_key,
                          timeout_s=args.timeout, progress=not args.disable_tqdm,
                          metrics_interval_s=args.metrics_interval)
+    tokenizer = load_tokenizer(args.tokenizer)
+    corpus = None if args.dataset else Corpus.load(tokenizer)
     label = args.workload or ("dataset" if args.dataset else "customer-service")
 
     def count_tokens(text: str) -> int:
@@ -110,18 +117,29 @@ def run_bench(args: argparse.Namespace) -> int:
         print_run(runs[0])
         payload = runs[0].to_dict()
     else:
-        runs = run_sweep(config, lambda seed: _requests_for(args, tokenizer, corpus, seed), rates, label,
-                         count_tokens)
-        for run in runs:
+        done: list[RunResult] = []
+
+        def on_run(run: RunResult) -> None:  # each run as it ends: an interrupted sweep keeps what it measured
+            done.append(run)
             print_run(run)
+            sys.stdout.flush()
+            if args.result_json:
+                write_json(args.result_json, _sweep_payload(done, label, slos, args.slo_attainment_goal))
+
+        runs = run_sweep(config, lambda seed: _requests_for(args, tokenizer, corpus, seed), rates, label,
+                         count_tokens, on_run=on_run)
         print_sweep(runs, goal=args.slo_attainment_goal)
-        best = max_sustained_rate([(r.config.request_rate, r.metrics.slo_attainment) for r in runs],
-                                  args.slo_attainment_goal) if slos else None
-        payload = {"label": label, "summary": sweep_rows(runs), "slo_attainment_goal": args.slo_attainment_goal,
-                   "max_sustained_rate": "inf" if best is not None and math.isinf(best) else best,
-                   "runs": [r.to_dict() for r in runs]}
+        payload = _sweep_payload(runs, label, slos, args.slo_attainment_goal)
     _write_outputs(args, runs, payload, label, sweep=rates is not None)
     return 0 if all(r.metrics.failed == 0 for r in runs) else 1
+
+
+def _sweep_payload(runs: Sequence[RunResult], label: str, slos: dict[str, float], goal: float) -> dict:
+    best = max_sustained_rate([(r.config.request_rate, r.metrics.slo_attainment) for r in runs], goal) if slos \
+        else None
+    return {"label": label, "summary": sweep_rows(runs), "slo_attainment_goal": goal,
+            "max_sustained_rate": "inf" if best is not None and math.isinf(best) else best,
+            "runs": [r.to_dict() for r in runs]}
 
 
 def _write_outputs(args: argparse.Namespace, runs: Sequence[RunResult], payload: dict, label: str,

@@ -16,7 +16,10 @@ MIN_TOKENS = 4  # ShareGPT turns shorter than this (prompt or reply) are skipped
 
 def _records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a file: a JSON list, or one object per non-empty line (JSONL)."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from exc
     stripped = text.lstrip()
     if stripped.startswith("["):
         data = json.loads(stripped)
@@ -43,25 +46,27 @@ def load_dataset(path: str | Path, tokenizer: Tokenizer, num_prompts: int, seed:
     ShareGPT records (``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``; ``role`` /
     ``content`` keys also work) give the first turn as the prompt and the token count of the second turn as
     ``max_tokens``; records with fewer than two turns or a turn under 4 tokens are skipped. Prompt records
-    (``{"prompt": str, "max_tokens": int}``) are taken as they are.
+    (``{"prompt": str, "max_tokens": int >= 1}``) are taken as they are. Errors name records by their number in the
+    file (1-based), whatever the shuffle.
 
     Raises:
-        ValueError: a line is not JSON, a record is neither form, or no usable record is found.
+        ValueError: a line is not JSON, a record is neither form or has a bad field, or no usable record is found.
         OSError: the file cannot be read.
     """
     path = Path(path)
-    records = _records(path)
+    records = list(enumerate(_records(path), 1))
     if seed is not None:
         random.Random(seed).shuffle(records)
     out: list[BenchRequest] = []
-    for i, rec in enumerate(records):
+    for i, rec in records:
         if len(out) >= num_prompts:
             break
         if "prompt" in rec:
-            if not isinstance(rec["prompt"], str) or not isinstance(rec.get("max_tokens"), int):
-                raise ValueError(f"{path}: record {i}: needs a string 'prompt' and an integer 'max_tokens'")
+            max_tokens = rec.get("max_tokens")
+            if not isinstance(rec["prompt"], str) or not isinstance(max_tokens, int) or isinstance(max_tokens, bool) \
+                    or max_tokens < 1:
+                raise ValueError(f"{path}: record {i}: needs a string 'prompt' and an integer 'max_tokens' >= 1")
             prompt = rec["prompt"]
-            max_tokens = rec["max_tokens"]
         elif "conversations" in rec or "messages" in rec:
             turns = rec.get("conversations", rec.get("messages")) or []
             if len(turns) < 2:

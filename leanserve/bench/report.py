@@ -101,6 +101,8 @@ def print_sweep(runs: Sequence[RunResult], out: TextIO = sys.stdout, goal: float
                                    for run, row in zip(runs, rows, strict=True)], goal)
         out.write(f"max sustained rate (SLO attainment >= {goal:.0%} up to it): "
                   f"{'none of the swept rates' if best is None else f'{best:g} req/s'}\n")
+    else:
+        out.write("(no SLOs given: pass --goodput for goodput, SLO attainment and the max sustained rate)\n")
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

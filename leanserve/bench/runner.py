@@ -25,7 +25,8 @@ class BenchConfig:
     """How to load the server.
 
     Attributes:
-        base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
+        base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended; a trailing ``/v1`` is
+            dropped, so ``http://host:8000/v1``, the form OpenAI clients take, works too).
         model: model name sent in requests; None: the first id of ``GET /v1/models``.
         endpoint: ``chat`` or ``completions``.
         request_rate: mean arrivals per second (``inf``: all at once).
@@ -53,6 +54,23 @@ class BenchConfig:
     progress: bool = True
     metrics_interval_s: float = 0.5
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on settings no run can use (checked before anything is sent)."""
+        if self.endpoint not in ("chat", "completions"):
+            raise ValueError(f"endpoint must be chat or completions, got {self.endpoint!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 s, got {self.timeout_s}")
+        if not self.metrics_interval_s > 0:
+            raise ValueError(f"--metrics-interval must be > 0 s, got {self.metrics_interval_s}")
+
+    @property
+    def server_root(self) -> str:
+        """``base_url`` without a trailing ``/`` or ``/v1``."""
+        root = self.base_url.rstrip("/")
+        return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 @dataclass
@@ -100,7 +118,8 @@ async def first_model_id(client: httpx.AsyncClient) -> str:
         resp = await client.get("/v1/models", timeout=30.0)
         data = resp.json().get("data") if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
-        raise RuntimeError(f"cannot list models at {client.base_url}/v1/models: {exc}") from exc
+        raise RuntimeError(f"cannot list models at {client.base_url}/v1/models: {type(exc).__name__}: {exc}"
+                           ) from exc
     if not data:
         raise RuntimeError(f"GET {client.base_url}/v1/models answered {resp.status_code}: {resp.text[:300]}")
     return str(data[0]["id"])
@@ -116,11 +135,14 @@ async def run_benchmark_async(config: BenchConfig, requests: Sequence[BenchReque
     """
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
-    async with httpx.AsyncClient(base_url=config.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(config.timeout_s, connect=30.0)) as client:
+    # /metrics is polled on a client of its own, so --max-concurrency's connection cap never delays a poll and a
+    # poll never takes a request's connection
+    async with httpx.AsyncClient(base_url=config.server_root, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(config.timeout_s, connect=30.0)) as client, \
+            httpx.AsyncClient(base_url=config.server_root, headers=headers) as metrics_client:
         model = config.model or await first_model_id(client)
         offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
-        poller = MetricsPoller(client, config.metrics_interval_s)
+        poller = MetricsPoller(metrics_client, config.metrics_interval_s)
         await poller.start()
         date = time.strftime("%Y%m%d-%H%M%S")
         bar = tqdm(total=len(requests), disable=not config.progress, desc=label or "requests", unit="req")
@@ -144,9 +166,11 @@ def run_benchmark(config: BenchConfig, requests: Sequence[BenchRequest], label: 
 
 
 def run_sweep(config: BenchConfig, make_requests: Callable[[int], Sequence[BenchRequest]], rates: Sequence[float],
-              label: str = "", count_tokens: Callable[[str], int] | None = None) -> list[RunResult]:
+              label: str = "", count_tokens: Callable[[str], int] | None = None,
+              on_run: Callable[[RunResult], None] | None = None) -> list[RunResult]:
     """One run per rate (requests per second), in order. Run ``i`` sends ``make_requests(config.seed + i)``, so that
-    a prefix cache warmed by one run does not serve the next run's prompts.
+    a prefix cache warmed by one run does not serve the next run's prompts. ``on_run`` is called with each run as
+    it finishes (to print it and save partial results: a long sweep that is interrupted keeps what it measured).
 
     Raises:
         ValueError: ``rates`` is empty or a rate is not positive.
@@ -158,6 +182,8 @@ def run_sweep(config: BenchConfig, make_requests: Callable[[int], Sequence[Bench
         cfg = dataclasses.replace(config, request_rate=rate, seed=config.seed + i)
         name = f"{label} rate={rate:g}".strip()
         runs.append(run_benchmark(cfg, make_requests(config.seed + i), name, count_tokens))
+        if on_run is not None:
+            on_run(runs[-1])
     return runs
 
 

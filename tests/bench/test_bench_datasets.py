@@ -57,9 +57,14 @@ def test_prompt_jsonl_shuffled_by_seed(tmp_path, tokenizer):
     ('{"prompt": "x"}\n', "integer 'max_tokens'"),
     ('{"question": "x"}\n', "neither"),
     ('[{"conversations": []}]', "no usable request"),
+    # records are named by their line in the file, not by their place after the shuffle
+    ('{"prompt": "a", "max_tokens": 3}\n{"prompt": "b", "max_tokens": 4}\n{"prompt": "c", "max_tokens": 0}\n',
+     "record 3: .*'max_tokens' >= 1"),
+    ('{"prompt": "a", "max_tokens": true}\n', "record 1: "),
+    (b'{"prompt": "\xff", "max_tokens": 3}\n', "not UTF-8"),
 ])
 def test_bad_files(tmp_path, tokenizer, text, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_dataset(path, tokenizer, num_prompts=5)

@@ -60,9 +60,11 @@ def test_bench_dataset_chat(server, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": n}) for p, n in PROMPTS))
     out, png = tmp_path / "run.json", tmp_path / "run.png"
-    proc = bench("--base-url", server.url, "--api-key", API_KEY, "--dataset", str(data), "--num-prompts", "4",
-                 "--request-rate", "20", "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out),
-                 "--plot", str(png))
+    # an OpenAI-client style base URL (…/v1) and a concurrency cap of 1: requests run one at a time while /metrics
+    # is polled on its own connection, so the server's peak running count is 1 and it was seen
+    proc = bench("--base-url", server.url + "/v1", "--api-key", API_KEY, "--dataset", str(data), "--num-prompts",
+                 "4", "--request-rate", "20", "--max-concurrency", "1", "--goodput", "ttft:60000", "tpot:60000",
+                 "--result-json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Serving Benchmark Result" in proc.stdout and "Peak KV cache usage" in proc.stdout
     d = json.loads(out.read_text())
@@ -73,6 +75,7 @@ def test_bench_dataset_chat(server, tmp_path):
     assert all(n > 5 for n in d["input_lens"])  # the server's usage: chat template included
     assert d["request_goodput"] == pytest.approx(d["request_throughput"])  # generous SLOs: every request is good
     assert d["slo_attainment"] == 1.0
+    assert d["max_concurrent_requests"] == 1 and d["server_metrics"]["peak_num_requests_running"] == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -99,3 +102,7 @@ def test_bench_bad_arguments(server):
     assert proc.returncode == 2 and "goodput" in proc.stderr
     proc = bench("--base-url", server.url, "--sweep", "1", "--slo-attainment-goal", "1.5")
     assert proc.returncode == 2 and "--slo-attainment-goal must be in (0, 1]" in proc.stderr
+    proc = bench("--base-url", server.url, "--max-concurrency", "0")
+    assert proc.returncode == 2 and "--max-concurrency must be >= 1" in proc.stderr
+    proc = bench("--base-url", server.url, "--sweep", "1", "--request-rate", "2")
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr

@@ -185,15 +185,25 @@ def test_short_requests_are_not_starved_by_long_ones(loaded):
     for i in range(6):
         engine.add_request(f"short{i}", shorts[i], p_short)
     finished = set()
+    first_step: dict[str, int] = {}  # the step (1-based) that gave each short request its first token
+    steps = 0
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             if out.request_id.startswith("short") and out.request_id not in ttft and out.outputs[0].token_ids:
                 ttft[out.request_id] = out.metrics.ttft
+                first_step[out.request_id] = steps
             if out.finished:
                 finished.add(out.request_id)
     assert finished == {f"long{i}" for i in range(6)} | {f"short{i}" for i in range(6)}
     worst = max(ttft[f"short{i}"] / solo_ttft[i] for i in range(6))
     print(f"short TTFT solo {[round(t, 3) for t in solo_ttft]} s; with 6 long prompts "
-          f"{[round(ttft[f'short{i}'], 3) for i in range(6)]} s; worst ratio {worst:.1f}x")
-    assert worst < 8.0
+          f"{[round(ttft[f'short{i}'], 3) for i in range(6)]} s; worst ratio {worst:.1f}x; first tokens at "
+          f"steps {sorted(first_step.values())} of {steps}")
+    # The scheduling itself, free of timing noise: under FCFS the 7,200 long-prompt tokens would fill the first
+    # ceil(7200 / 2048) = 4 steps' budgets; with long prompts capped per step every short request gets its first
+    # token in the first step. The wall-clock ratio (~7x here: that step also carries a 256-token chunk of a long
+    # prompt) is checked loosely, as timing on a shared 2-core machine is noisy.
+    assert max(first_step.values()) == 1
+    assert worst < 15.0
     assert_no_leaks(engine)
