@@ -56,7 +56,7 @@ def rates_by_workload(items: Sequence[str] | None, workloads: Sequence[str]) -> 
         name, sep, rates = item.rpartition("=")
         for w in ([name] if sep else workloads):
             if w not in out:
-                raise SystemExit(f"--rates: unknown workload {w!r}")
+                raise SystemExit(f"error: --rates: unknown workload {w!r}")
             out[w] = parse_rates(rates)
     return out
 
@@ -152,21 +152,22 @@ def main() -> None:
 
     # every argument is checked before a server starts: a sweep can take half an hour
     if not 0 < args.slo_attainment_goal <= 1:
-        raise SystemExit(f"--slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
+        raise SystemExit(f"error: --slo-attainment-goal must be in (0, 1], got {args.slo_attainment_goal}")
     for name in ("num_prompts", "threads", "slots", "ctx"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        raise SystemExit(f"llama-server not found{f' at {args.llama_server}' if args.llama_server else ''}: pass "
-                         "--llama-server PATH or build it as benchmarks/README.md says")
+        where = f" at {args.llama_server}" if args.llama_server else ""
+        raise SystemExit(f"error: llama-server not found{where}: pass --llama-server PATH or build it as "
+                         "benchmarks/README.md says")
     model = args.model or default_model_path()
     if not os.path.isfile(model):
-        raise SystemExit(f"model file not found: {model}")
+        raise SystemExit(f"error: model file not found: {model}")
     workloads = args.workloads.split(",")
     for w in workloads:
         if w not in WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+            raise SystemExit(f"error: unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     try:
         rates = rates_by_workload(args.rates, workloads)
         slos = parse_goodput(args.goodput)
@@ -178,7 +179,7 @@ def main() -> None:
         longest = max(r.prompt_len + r.max_tokens for i in range(len(rates[w]))
                       for r in make_workload(w, corpus, args.num_prompts, args.seed + i))
         if longest + CHAT_TEMPLATE_MARGIN > args.ctx:
-            raise SystemExit(f"--ctx {args.ctx} is too short for {w}: a request needs up to "
+            raise SystemExit(f"error: --ctx {args.ctx} is too short for {w}: a request needs up to "
                              f"{longest + CHAT_TEMPLATE_MARGIN} tokens")
 
     def count_tokens(text: str) -> int:
