@@ -175,9 +175,11 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     tokenizer = load_tokenizer(model)
     corpus = Corpus.load(tokenizer)
+    # every run's requests, built once: both servers get the same ones (run i of a sweep uses seed + i)
+    requests = {w: {args.seed + i: make_workload(w, corpus, args.num_prompts, args.seed + i)
+                    for i in range(len(rates[w]))} for w in workloads}
     for w in workloads:  # the context must hold every request (prompt + chat template + output)
-        longest = max(r.prompt_len + r.max_tokens for i in range(len(rates[w]))
-                      for r in make_workload(w, corpus, args.num_prompts, args.seed + i))
+        longest = max(r.prompt_len + r.max_tokens for reqs in requests[w].values() for r in reqs)
         if longest + CHAT_TEMPLATE_MARGIN > args.ctx:
             raise SystemExit(f"error: --ctx {args.ctx} is too short for {w}: a request needs up to "
                              f"{longest + CHAT_TEMPLATE_MARGIN} tokens")
@@ -195,7 +197,7 @@ def main() -> None:
         with servers[name]() as srv:
             for w in workloads:
                 config = BenchConfig(base_url=srv.url, seed=args.seed, slos=slos, progress=True)
-                runs = run_sweep(config, lambda seed, w=w: make_workload(w, corpus, args.num_prompts, seed),
+                runs = run_sweep(config, requests[w].__getitem__,
                                  rates[w], f"{name} {w}", count_tokens, on_run=print_run)
                 print_sweep(runs, goal=args.slo_attainment_goal)
                 results[w][name] = [r.to_dict() for r in runs]

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 from leanserve.bench.corpus import Corpus
 from leanserve.bench.datasets import load_dataset
-from leanserve.bench.report import print_run, print_sweep, sweep_rows, write_json
+from leanserve.bench.report import print_run, print_sweep, sweep_rows, sweep_sustained_rate, write_json
 from leanserve.bench.runner import BenchConfig, RunResult, parse_rates, run_benchmark, run_sweep
-from leanserve.bench.stats import max_sustained_rate, parse_goodput
+from leanserve.bench.stats import parse_goodput
 from leanserve.bench.workloads import WORKLOADS, BenchRequest, make_workload
 from leanserve.tokenizer import Tokenizer
 
@@ -135,8 +135,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _sweep_payload(runs: Sequence[RunResult], label: str, slos: dict[str, float], goal: float) -> dict:
-    best = max_sustained_rate([(r.config.request_rate, r.metrics.slo_attainment) for r in runs], goal) if slos \
-        else None
+    best = sweep_sustained_rate(runs, goal) if slos else None
     return {"label": label, "summary": sweep_rows(runs), "slo_attainment_goal": goal,
             "max_sustained_rate": "inf" if best is not None and math.isinf(best) else best,
             "runs": [r.to_dict() for r in runs]}

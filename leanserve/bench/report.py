@@ -81,6 +81,16 @@ def sweep_rows(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep_sustained_rate(runs: Sequence[RunResult], goal: float) -> float | None:
+    """The max sustained rate (requests/s) of a sweep's runs: :func:`leanserve.bench.stats.max_sustained_rate` over
+    each run's offered rate and SLO attainment. None when no rate qualifies (or the runs had no SLOs).
+
+    Raises:
+        ValueError: ``goal`` is not in (0, 1].
+    """
+    return max_sustained_rate([(r.config.request_rate, r.metrics.slo_attainment) for r in runs], goal)
+
+
 def print_sweep(runs: Sequence[RunResult], out: TextIO = sys.stdout, goal: float = 0.9) -> None:
     """A sweep as one line per offered rate, then (with SLOs) the max sustained rate: the highest rate whose SLO
     attainment, and that of every lower rate, is >= ``goal`` (see :func:`leanserve.bench.stats.max_sustained_rate`).
@@ -97,8 +107,7 @@ def print_sweep(runs: Sequence[RunResult], out: TextIO = sys.stdout, goal: float
                           for c in cells) + "\n")
     out.write("(latencies in ms; goodput in requests/s meeting every SLO; SLO %: share of sent requests that do)\n")
     if any(row["slo_attainment"] is not None for row in rows):
-        best = max_sustained_rate([(run.config.request_rate, row["slo_attainment"])
-                                   for run, row in zip(runs, rows, strict=True)], goal)
+        best = sweep_sustained_rate(runs, goal)
         out.write(f"max sustained rate (SLO attainment >= {goal:.0%} up to it): "
                   f"{'none of the swept rates' if best is None else f'{best:g} req/s'}\n")
     else:
