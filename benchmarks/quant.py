@@ -38,8 +38,7 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Milliseconds per product of the default model's fused gate/up matrix (3072 x 576, Q4_1) with M rows, over
     all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel."""
     from leanserve.kernels import native_ops
-    from leanserve.model.llama import linear
-    from leanserve.quantization.weights import BlockQuantWeight, GroupQuantized, pack_group_quantized
+    from leanserve.quantization.weights import BlockQuantWeight, FloatWeight, GroupQuantized, pack_group_quantized
 
     ext = native_ops()
     mats = []
@@ -52,7 +51,7 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
     if ext is not None:
         kernels["lane kernel (default)"] = lambda x, b, t, ln: ln.kernel(x)
         kernels["block kernel"] = lambda x, b, t, ln: b.kernel(x)
-        kernels["dequantize + fp32 GEMM"] = lambda x, b, t, ln: linear(x, b.dequantize())
+        kernels["dequantize + fp32 GEMM"] = lambda x, b, t, ln: FloatWeight(b.dequantize()).matmul(x)
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for m in KERNEL_ROWS:
         x = torch.randn(m, loaded.config.hidden_size)

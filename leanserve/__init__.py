@@ -10,16 +10,15 @@ import os
 import sys
 from typing import Any
 
-# fp32 matrix products on CPU run through NumPy's BLAS (see leanserve.model.llama.linear). Its threads and
-# torch's OpenMP threads take turns on the same cores; with OpenMP's default spin-waiting each hand-over stalls
-# (decode ran 3 tok/s instead of 28 here). Passive waiting must be chosen before torch loads OpenMP, so it is
-# set here when leanserve is imported first; otherwise the torch kernels are used.
+# fp32 matrix products on CPU run through NumPy's BLAS (see leanserve.quantization.weights). Its threads and
+# torch's OpenMP threads take turns on the same cores, and with OpenMP's default spin-waiting each hand-over
+# stalls; passive waiting must be chosen before torch loads OpenMP, so it is set here when leanserve is imported
+# first (otherwise the torch kernels are used). Its effect is measured in the README ("Threads").
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# OpenBLAS's worker threads spin for 2**28 cycles (~0.1 s here) after each call by default, holding a core that
-# torch's OpenMP threads and leanserve's kernels (leanserve/kernels/spin_pool.h) need next: 2**16 cycles (~20 us)
-# bridges the gaps between the GEMMs of one forward pass. Measured on this 2-core CPU: 512-token prefill ~490 ->
-# ~610 tok/s, 4-bit decode ~117 -> ~145 tok/s; fp32 decode (BLAS gemv) ~38 -> ~35 tok/s. Read when NumPy loads.
+# OpenBLAS's worker threads spin for 2**28 cycles after each call by default, holding a core that torch's OpenMP
+# threads and leanserve's kernels (leanserve/kernels/spin_pool.h) need next; 2**16 cycles bridges the gaps
+# between the GEMMs of one forward pass. Read when NumPy loads.
 if "numpy" not in sys.modules:
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 

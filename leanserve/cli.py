@@ -7,8 +7,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from leanserve.config import EngineConfig
+from leanserve.config import EngineConfig, ServerConfig, add_config_args, config_from_args
 from leanserve.engine.llm_engine import LLMEngine
+from leanserve.entrypoints.openai.api_server import run_server
 from leanserve.errors import LeanserveError
 from leanserve.sampling_params import SamplingParams
 
@@ -20,43 +21,13 @@ DEMO_PROMPTS = [
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that loads a model (names follow vLLM's CLI)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache pool")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="tokens per step for long prompts (default: 256 on CPU, 2048 on CUDA; 0 = off)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that carry none")
-    g.add_argument("--threads", dest="num_threads", type=int, default=None,
-                   help="CPU threads for matmuls and attention (default: all cores; fewer on a busy machine)")
-    g.add_argument("--no-native-kernels", dest="use_native_kernels", action="store_false",
-                   help="use the torch attention path instead of the compiled CPU kernel")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="bitwise batch-invariant logits (seeded output independent of the batch; slower decode)")
-    g.add_argument("--quantization", "-q", default="auto",
-                   help="weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none, int8, int4")
-    g.add_argument("--quantization-group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache: auto (the model dtype), float16 or int8")
+    """The engine options (every :class:`EngineConfig` field; vLLM's flag names) for a command that loads a model."""
+    add_config_args(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=args.enable_prefix_caching,
-                        long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        scheduling_policy=args.scheduling_policy, seed=args.engine_seed,
-                        use_native_kernels=args.use_native_kernels, batch_invariant=args.batch_invariant,
-                        num_threads=args.num_threads,
-                        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                        kv_cache_dtype=args.kv_cache_dtype)
+    """The :class:`EngineConfig` of parsed engine options. Raises InvalidParameterError for a refused value."""
+    return config_from_args(EngineConfig, args)
 
 
 def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
@@ -161,9 +132,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanserve.entrypoints.openai.api_server import run_server
-
-    return run_server(args)
+    return run_server(engine_config(args), config_from_args(ServerConfig, args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -176,25 +145,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
 
 
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0-65535."""
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {port}")
-    return port
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanserve", description="A lean LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: any free port)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
-    serve.add_argument("--served-model-name", default=None, help="model name of the API (default: the file name)")
-    serve.add_argument("--max-waiting", type=int, default=1024,
-                       help="most sequences waiting to be scheduled; beyond it requests get 503 + Retry-After")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_config_args(serve.add_argument_group("server"), ServerConfig)
     demo = sub.add_parser("demo", help="answer three built-in chat prompts, with TTFT and decode speed")
     demo.add_argument("--max-tokens", type=int, default=64)
     gen = sub.add_parser("generate", help="complete one prompt and print it")

@@ -1,9 +1,57 @@
-"""Configuration dataclasses: the model's architecture and the engine's knobs."""
+"""Configuration dataclasses: the model's architecture, the engine's knobs and the HTTP server's.
+
+:class:`EngineConfig` and :class:`ServerConfig` are the one source of each option's default, unit and help text:
+``leanserve``'s command-line flags (:func:`add_config_args`, :func:`config_from_args`) and ``LLM(**kwargs)`` are
+derived from their fields, as vLLM derives its CLI from ``EngineArgs``. Both validate themselves on construction
+(``__post_init__``) and raise :class:`~leanserve.errors.InvalidParameterError` naming the field.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
+
+from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
+
+DTYPES = ("float32", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
+# for leanserve's block kernels (or, without native kernels, the projections in torch's packed int4/int8 layouts)
+# and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4" quantize
+# every projection from float weights at load.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float16", "int8")  # "auto" = the model dtype
+INT4_GROUP_SIZES = (32, 64, 128)  # input columns per int4 scale
+
+
+def check_quantization(method: str, group_size: int = 32) -> None:
+    """Validate a ``--quantization`` method and its int4 group size (elements along the input dimension).
+
+    Raises:
+        UnsupportedQuantizationError: an unknown method (e.g. "fp8", "gptq") or a group size not in 32/64/128.
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise UnsupportedQuantizationError(
+            "quantization", f"unsupported quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise UnsupportedQuantizationError(
+            "quantization_group_size",
+            f"unsupported int4 group size {group_size}; supported: {', '.join(map(str, INT4_GROUP_SIZES))}")
+
+
+def check_kv_cache_dtype(dtype: str) -> None:
+    """Validate a ``--kv-cache-dtype``.
+
+    Raises:
+        UnsupportedQuantizationError: anything but "auto", "float16" or "int8" (fp8 is not offered: no fp8 math
+            on the CPUs served).
+    """
+    if dtype not in KV_CACHE_DTYPES:
+        raise UnsupportedQuantizationError(
+            "kv_cache_dtype", f"unsupported kv_cache_dtype {dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -37,35 +85,162 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
+def option(default: Any, help: str, *, type: Any = None, flag: str | None = None, aliases: tuple[str, ...] = (),
+           choices: tuple[Any, ...] | None = None, metavar: str | None = None, cli: bool = True) -> Any:
+    """A dataclass field with its command-line description.
+
+    Args:
+        default: the field's default (also the flag's).
+        help: one line for ``--help``: what it does and its unit.
+        type: the flag's argparse type (None: str, or a boolean switch for bool defaults).
+        flag: the flag's name when it is not ``--field-name`` (for a bool defaulting to True: the switch that
+            turns it off, e.g. ``--no-enable-prefix-caching``).
+        aliases: more names for the flag (e.g. ``-q``).
+        choices: the allowed values, checked by argparse and named in ``--help``.
+        metavar: the value's name in ``--help`` (default: N for integers).
+        cli: False for options of the Python API only.
+    """
+    if metavar is None and type is int:
+        metavar = "N"
+    meta = {"help": help, "type": type, "flag": flag, "aliases": aliases, "choices": choices, "metavar": metavar,
+            "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidParameterError(name, f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidParameterError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
 @dataclass
 class EngineConfig:
-    """Knobs of the engine (names follow vLLM's engine arguments)."""
+    """Knobs of the engine (names follow vLLM's engine arguments).
 
-    model: str | None = None  # GGUF file or HF folder; None = the default SmolLM2-135M-Instruct
-    dtype: str = "float32"  # "float32" or "bfloat16": weights and activations
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see engine)
-    max_num_seqs: int = 64  # most requests in one step
-    max_num_batched_tokens: int | None = 2048  # token budget of one step; None = unlimited
-    max_model_len: int | None = None  # context limit in tokens; None = the model's
-    enable_prefix_caching: bool = True
-    # Prompts longer than this (tokens) advance at most this much per step (even alone), and
-    # only one such prompt prefills at a time. None = auto (256 on CPU, 2048 on CUDA); 0 = no limit.
-    long_prefill_token_threshold: int | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
-    seed: int = 0  # seed of the engine's generator for unseeded sampling
-    # CPU threads for matmuls and attention (torch's and NumPy's BLAS pools; llama.cpp's -t); None = all cores.
-    # On a machine shared with other busy processes, give fewer threads than cores: a pool that waits on a
-    # descheduled thread at every matmul is many times slower.
-    num_threads: int | None = None
-    # Compiled CPU kernels (leanserve.kernels: paged decode attention), built on first use; False = torch path only.
-    use_native_kernels: bool = True
-    # Bitwise batch invariance: a request's logits do not depend on what else is in the batch, so seeded sampling
-    # gives the same text alone and in any batch. Costs single-stream decode speed (fp32 CPU only; see llama.py).
-    batch_invariant: bool = False
-    # Weight quantization (leanserve.quantization): "auto" keeps GGUF Q4_0/Q4_1/Q8_0 projections in their native
-    # bits (the default Q4_1 model runs at 4 bits), "none" = float weights, "int8" / "int4" quantize at load.
-    quantization: str = "auto"
-    quantization_group_size: int = 32  # int4 input columns per scale: 32, 64 or 128
-    # "auto" = the model dtype; "float16" = 2 bytes per element; "int8" = int8 with a scale per token and KV head
-    kv_cache_dtype: str = "auto"
+    Raises:
+        InvalidParameterError (UnsupportedQuantizationError among them): on construction, for a value of the
+            wrong type or out of range; ``.param`` names the field. Checks that need the model (``max_model_len``
+            beyond its context, a KV pool too small for one block) are made by the engine before the weights load.
+    """
+
+    model: str | None = option(None, "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
+                               metavar="PATH")
+    dtype: str = option("float32", "weights and activations", choices=DTYPES)
+    block_size: int = option(16, "tokens per KV cache block", type=int)
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV cache pool (default: 2 GiB on CPU, 80%% of the free memory on CUDA)", type=int,
+        metavar="BYTES")
+    max_num_seqs: int = option(64, "most sequences in one step", type=int)
+    max_num_batched_tokens: int | None = option(2048, "token budget of one step (tokens)", type=int)
+    max_model_len: int | None = option(None, "context limit, prompt + output, in tokens (default: the model's)",
+                                       type=int)
+    enable_prefix_caching: bool = option(True, "turn off the prefix cache", flag="--no-enable-prefix-caching")
+    long_prefill_token_threshold: int | None = option(
+        None, "a prompt longer than this advances at most this many tokens per step, and one such prompt "
+        "prefills at a time (default: 256 on CPU, 2048 on CUDA; 0 = off)", type=int)
+    scheduling_policy: str = option("fcfs", "fcfs, or priority (lower request priority first)",
+                                    choices=SCHEDULING_POLICIES)
+    seed: int = option(0, "seed of the engine's generator, for requests that carry none", type=int,
+                       flag="--engine-seed")
+    num_threads: int | None = option(
+        None, "CPU threads for matmuls and attention (torch's and BLAS pools; default: all cores; fewer on a "
+        "machine shared with busy processes)", type=int, flag="--threads")
+    use_native_kernels: bool = option(True, "use the torch paths instead of the compiled CPU kernels",
+                                      flag="--no-native-kernels")
+    batch_invariant: bool = option(False, "bitwise batch-invariant logits: seeded output independent of the "
+                                   "batch (fp32 on CPU only; slower decode)")
+    quantization: str = option("auto", "weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none "
+                               "(float), int8 or int4 (quantized at load)", aliases=("-q",),
+                               choices=QUANTIZATION_METHODS)
+    quantization_group_size: int = option(32, "int4 input columns per scale: 32, 64 or 128", type=int)
+    kv_cache_dtype: str = option("auto", "KV cache: auto (the model dtype), float16, or int8 (a scale per token "
+                                 "and KV head)", choices=KV_CACHE_DTYPES)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            self.model = str(self.model)  # a pathlib.Path
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, optional=True)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_int("seed", self.seed, -(2**63))
+        _check_int("num_threads", self.num_threads, 1, optional=True)
+        for name in ("enable_prefix_caching", "use_native_kernels", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+        check_quantization(self.quantization, self.quantization_group_size)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+
+
+@dataclass
+class ServerConfig:
+    """Options of the HTTP server around one engine (``leanserve serve``).
+
+    Raises:
+        InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1 or an unknown
+            log level.
+    """
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on (0: any free port)", type=int)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on the API endpoints", metavar="KEY")
+    served_model_name: str | None = option(None, "model name of the API (default: the model file's name)",
+                                           metavar="NAME")
+    max_waiting: int = option(1024, "most sequences waiting to be scheduled; beyond it requests get 503 + "
+                              "Retry-After", type=int)
+    log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        _check_int("port", self.port, 0)
+        if self.port > 65535:
+            raise InvalidParameterError("port", f"port must be in 0-65535, got {self.port}")
+        _check_int("max_waiting", self.max_waiting, 1)
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
+
+
+C = TypeVar("C")
+
+
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """Add one flag per field of the config dataclass ``cls`` (``--field-name`` unless the field says otherwise),
+    with the field's default, type, choices and help. The parsed value lands under the field's own name."""
+    for f in fields(cls):
+        meta = f.metadata
+        if not meta.get("cli", False):
+            continue
+        default = f.default if f.default is not MISSING else None
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        names = [flag, *meta["aliases"]]
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
+        if isinstance(default, bool):
+            kwargs["action"] = "store_false" if default else "store_true"
+        else:
+            if meta["type"] is not None:
+                kwargs["type"] = meta["type"]
+            if meta["choices"] is not None:
+                kwargs["choices"] = list(meta["choices"])
+            if meta["metavar"] is not None:
+                kwargs["metavar"] = meta["metavar"]
+        parser.add_argument(*names, **kwargs)
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
+    """An instance of the config dataclass ``cls`` from the flags :func:`add_config_args` added.
+
+    Raises:
+        InvalidParameterError: a value the dataclass refuses.
+    """
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("cli", False)})

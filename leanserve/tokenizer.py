@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from leanserve.errors import InvalidParameterError, ModelLoadError
+from leanserve.gguf_vocab import CHAR_TO_BYTE, END_OF_TURN_TOKENS, gguf_tokenizer_kwargs
 
 import jinja2
 import jinja2.ext
@@ -82,8 +83,6 @@ class Tokenizer:
         Raises:
             ModelLoadError: no tokenizer in the metadata, or an unsupported tokenizer model / pre-tokenizer.
         """
-        from leanserve.loader.gguf_vocab import gguf_tokenizer_kwargs
-
         fields = getattr(reader_or_fields, "fields", reader_or_fields)
 
         def meta(key: str, default: Any = None) -> Any:
@@ -105,8 +104,6 @@ class Tokenizer:
         Raises:
             ModelLoadError: ``tokenizer.json`` missing or unreadable, or no EOS token can be found.
         """
-        from leanserve.loader.gguf_vocab import END_OF_TURN_TOKENS
-
         path = os.fspath(path)
         try:
             backend = Backend.from_file(os.path.join(path, "tokenizer.json"))
@@ -189,14 +186,12 @@ class Tokenizer:
             IndexError: ``token_id`` is outside ``[0, vocab_size)``.
         """
         if self._bytes is None:
-            from leanserve.loader.gguf_vocab import CHAR_TO_BYTE
-
-            self._bytes = [self._spell(i, CHAR_TO_BYTE) for i in range(self.vocab_size)]
+            self._bytes = [self._spell(i) for i in range(self.vocab_size)]
         if not 0 <= token_id < self.vocab_size:
             raise IndexError(f"token id {token_id} outside [0, {self.vocab_size})")
         return self._bytes[token_id]
 
-    def _spell(self, token_id: int, char_to_byte: Mapping[str, int]) -> bytes:
+    def _spell(self, token_id: int) -> bytes:
         if token_id in self._added:
             return self._added[token_id].encode()
         tok = self._backend.id_to_token(token_id)
@@ -204,7 +199,7 @@ class Tokenizer:
             return b""
         if self._kind == "byte_level":
             try:
-                return bytes(char_to_byte[c] for c in tok)
+                return bytes(CHAR_TO_BYTE[c] for c in tok)
             except KeyError:
                 return tok.encode()
         if self._kind == "sentencepiece":

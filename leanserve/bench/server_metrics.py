@@ -1,6 +1,6 @@
-"""What the server itself saw during a run, from its Prometheus ``/metrics`` (vLLM's ``vllm:*`` names, as leanserve
-exports them; llama.cpp's ``llamacpp:*`` gauges where they exist): scraped before and after the run and polled
-during it for peaks. Servers without ``/metrics`` give no report."""
+"""What the server itself saw during a run, from its Prometheus ``/metrics`` (the names leanserve exports, from
+:mod:`leanserve.metric_names`, then the peer servers' aliases listed there where leanserve's are absent): scraped
+before and after the run and polled during it for peaks. Servers without ``/metrics`` give no report."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ import asyncio
 import math
 from dataclasses import dataclass
 
+from leanserve import metric_names as names
+from leanserve.metric_names import counter_sample, histogram_count, histogram_sum
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio")
-RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
-WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
-PREEMPTIONS = ("vllm:num_preemptions_total",)
-PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
-PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
-QUEUE_SUM = ("vllm:request_queue_time_seconds_sum",)
-QUEUE_COUNT = ("vllm:request_queue_time_seconds_count",)
+# Sample names read from a scrape, leanserve's first, then the peer servers' aliases.
+KV_USAGE = (names.KV_CACHE_USAGE_PERC, *names.KV_CACHE_USAGE_PERC_ALIASES)
+RUNNING = (names.NUM_REQUESTS_RUNNING, *names.NUM_REQUESTS_RUNNING_ALIASES)
+WAITING = (names.NUM_REQUESTS_WAITING, *names.NUM_REQUESTS_WAITING_ALIASES)
+PREEMPTIONS = (counter_sample(names.NUM_PREEMPTIONS),)
+PREFIX_QUERIES = tuple(map(counter_sample, (names.PREFIX_CACHE_QUERIES, *names.PREFIX_CACHE_QUERIES_ALIASES)))
+PREFIX_HITS = tuple(map(counter_sample, (names.PREFIX_CACHE_HITS, *names.PREFIX_CACHE_HITS_ALIASES)))
+QUEUE_SUM = (histogram_sum(names.REQUEST_QUEUE_TIME_SECONDS),)
+QUEUE_COUNT = (histogram_count(names.REQUEST_QUEUE_TIME_SECONDS),)
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -90,8 +94,8 @@ class MetricsPoller:
         except (httpx.HTTPError, ValueError):
             return None
         self._scrapes += 1
-        for key, names in (("kv", KV_USAGE), ("running", RUNNING), ("waiting", WAITING)):
-            value = pick(samples, names)
+        for key, sample_names in (("kv", KV_USAGE), ("running", RUNNING), ("waiting", WAITING)):
+            value = pick(samples, sample_names)
             if value is not None:
                 self._peaks[key] = max(self._peaks.get(key, value), value)
         return samples

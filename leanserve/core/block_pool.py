@@ -82,8 +82,14 @@ class BlockPool:
         return out
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 join the tail of the free queue in order."""
+        """Drop one reference from each block; blocks reaching 0 join the tail of the free queue in order.
+
+        Raises:
+            ValueError: a block that holds no reference (a double free); the pool is unchanged for it.
+        """
         for b in blocks:
+            if b.ref_cnt <= 0:
+                raise ValueError(f"block {b.block_id} is already free (double free)")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue[b.block_id] = b

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from leanserve.core.kv_cache_manager import KVCacheManager, cdiv
 from leanserve.core.request import Request, RequestStatus
-from leanserve.errors import KVCapacityError
 
 
 @dataclass
@@ -108,18 +107,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request.
-
-        Raises:
-            KVCapacityError: when prompt + max_tokens needs more blocks than the whole pool has.
-        """
-        need = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv.block_size)
-        if need > self.kv.num_blocks:
-            raise KVCapacityError(
-                f"request {request.request_id} needs {request.num_prompt_tokens + request.max_tokens} tokens of KV "
-                f"cache ({need} blocks) but the whole pool holds {self.kv.num_tokens_capacity()} tokens "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size}); raise kv_cache_memory or shorten the "
-                "request")
+        """Queue a request. Invariant (checked by the engine's admission, asserted here): prompt + max_tokens fits
+        the whole pool and ``max_model_len``, so a request alone can always be scheduled to its end."""
+        assert cdiv(request.num_prompt_tokens + request.max_tokens, self.kv.block_size) <= self.kv.num_blocks, \
+            f"request {request.request_id} cannot fit the KV pool: admission must refuse it"
+        assert request.num_prompt_tokens + request.max_tokens <= self.max_model_len, \
+            f"request {request.request_id} exceeds max_model_len: admission must refuse it"
         self.requests[request.request_id] = request
         self._enqueue(request)
 

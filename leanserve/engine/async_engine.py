@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from leanserve.core.kv_cache_manager import cdiv
+from leanserve.engine.admission import AdmittedRequest
 from leanserve.engine.llm_engine import EngineStats, LLMEngine
-from leanserve.errors import KVCapacityError, LeanserveError
+from leanserve.engine.request_stream import RequestStream
+from leanserve.errors import LeanserveError
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
 
@@ -67,62 +68,25 @@ class AsyncEngineStats:
     kv_cache_usage: float
 
 
-class RequestStream:
-    """The outputs of one request, as an async iterator (ends after the finished output).
+@dataclass(frozen=True)
+class AddCommand:
+    """Hand an admitted request to the engine (applied on the engine thread, in submission order)."""
 
-    Cancelling a pending ``__anext__`` or calling :meth:`aclose` before the end aborts the request.
-    """
+    request_id: str
+    request: AdmittedRequest
+    arrival_time: float  # time.monotonic() of the request's arrival
+    priority: int
+    stream: RequestStream
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._added: asyncio.Future[None] = loop.create_future()
 
-    def __aiter__(self) -> RequestStream:
-        return self
+@dataclass(frozen=True)
+class AbortCommand:
+    """Abort a request (unknown or finished ids are ignored)."""
 
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+    request_id: str
 
-    async def accepted(self) -> None:
-        """Wait until the engine thread added the request (at most one step). Cancelling the wait aborts it.
 
-        Raises:
-            InvalidParameterError / ContextLengthExceededError / KVCapacityError: the engine's own checks;
-            QueueFullError: the server began shutting down; EngineDeadError: the engine failed.
-        """
-        try:
-            await self._added
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        except BaseException:
-            self.finished = True
-            raise
-
-    def abort(self) -> None:
-        """Stop the request (no-op once finished); its last output, finish_reason "abort", is not awaited."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
+EngineCommand = AddCommand | AbortCommand
 
 
 class AsyncEngine:
@@ -141,7 +105,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._cond = threading.Condition()
-        self._commands: list[tuple] = []  # ("add", ...) / ("abort", request_id), in submission order
+        self._commands: list[EngineCommand] = []  # in submission order
         self._pending_seqs = 0  # sequences submitted but not yet added to the engine
         self._streams: dict[str, RequestStream] = {}
         self._observers: list[EngineObserver] = []
@@ -175,33 +139,25 @@ class AsyncEngine:
                                     stats.kv_cache_usage)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """The engine's :meth:`LLMEngine.tokenize_prompt` (tokenizer and vocabulary size only: safe off the engine
-        thread). Raises InvalidParameterError."""
-        return self.engine.tokenize_prompt(prompt)
+        """The prompt's token ids, checked as admission checks them (safe off the engine thread).
 
-    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate a request's length against the context and the KV pool before queueing it.
-
-        Reads only fixed engine settings (max_model_len, pool size), so it is safe off the engine thread.
-
-        Returns:
-            the resolved output-token limit.
         Raises:
-            ContextLengthExceededError, KVCapacityError.
+            InvalidParameterError: an empty prompt or ids outside the vocabulary.
         """
-        max_tokens = self.engine.resolve_max_tokens(num_prompt_tokens, params)
-        kv = self.engine.kv
-        need = cdiv(num_prompt_tokens + max_tokens, kv.block_size)
-        if need > kv.num_blocks:
-            raise KVCapacityError(
-                f"the request needs {num_prompt_tokens + max_tokens} tokens of KV cache ({num_prompt_tokens} in "
-                f"the prompt, {max_tokens} for the completion) but the KV cache capacity is "
-                f"{kv.num_tokens_capacity()} tokens; reduce max_tokens or the prompt")
-        return max_tokens
+        return self.engine.admission.tokenize(prompt)
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               arrival_time: float | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request without waiting; ``await stream.accepted()`` reports the engine's verdict.
+    def admit(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
+        """The engine's single admission check (:meth:`LLMEngine.admit`), run on the caller's thread: it reads
+        only fixed settings (tokenizer, vocabulary, max_model_len, pool size).
+
+        Raises:
+            InvalidParameterError (ContextLengthExceededError among them), KVCapacityError.
+        """
+        return self.engine.admit(prompt, params)
+
+    def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None,
+               priority: int = 0) -> RequestStream:
+        """Queue an admitted request without waiting; ``await stream.accepted()`` reports the engine's verdict.
 
         Raises:
             QueueFullError: too many waiting sequences or shutting down; EngineDeadError: the engine failed;
@@ -209,7 +165,8 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        stream = RequestStream(self, request_id, loop)
+        stream = RequestStream(request_id, loop, self.abort)
+        n = request.params.n
         with self._cond:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine failed: {self._dead!r}")
@@ -222,19 +179,19 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(("add", request_id, prompt, params, arrival, priority, stream))
-            self._pending_seqs += params.n
+            self._commands.append(AddCommand(request_id, request, arrival, priority, stream))
+            self._pending_seqs += n
             self._cond.notify()
         return stream
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request and wait until the engine accepted it (at most one step).
+        """:meth:`admit`, :meth:`submit`, and wait until the engine accepted it (at most one step).
 
         Raises:
-            what :meth:`submit` and :meth:`RequestStream.accepted` raise.
+            what :meth:`admit`, :meth:`submit` and :meth:`RequestStream.accepted` raise.
         """
-        stream = self.submit(request_id, prompt, params, arrival_time, priority)
+        stream = self.submit(request_id, self.admit(prompt, params), arrival_time, priority)
         await stream.accepted()
         return stream
 
@@ -251,7 +208,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; unknown or finished ids are ignored). Applied before the next step."""
         with self._cond:
-            self._commands.append(("abort", request_id))
+            self._commands.append(AbortCommand(request_id))
             self._cond.notify()
 
     def begin_shutdown(self) -> None:
@@ -300,8 +257,8 @@ class AsyncEngine:
                 self._dead = exc
                 commands, self._commands = self._commands, []
                 for cmd in commands:
-                    if cmd[0] == "add":
-                        self._pending_seqs -= cmd[3].n
+                    if isinstance(cmd, AddCommand):
+                        self._pending_seqs -= cmd.request.params.n
             self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
         finally:
             with self._cond:
@@ -309,40 +266,33 @@ class AsyncEngine:
             self._ready.set()
         logger.info("engine thread stopped")
 
-    def _apply(self, commands: list[tuple]) -> None:
+    def _apply(self, commands: list[EngineCommand]) -> None:
         """Apply queued adds and aborts in order (engine thread, under the condition's lock)."""
         for cmd in commands:
-            if cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
+            if isinstance(cmd, AbortCommand):
+                self.engine.abort_request(cmd.request_id)
                 continue
-            _, request_id, prompt, params, arrival, priority, stream = cmd
-            self._pending_seqs -= params.n
+            self._pending_seqs -= cmd.request.params.n
             error: BaseException | None = None
             if self._stopping:
                 error = QueueFullError("the server is shutting down", retry_after=5.0)
             else:
                 try:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
-                    self._active.add(request_id)
-                except Exception as exc:
+                    self.engine.add_admitted(cmd.request_id, cmd.request, arrival_time=cmd.arrival_time,
+                                             priority=cmd.priority)
+                    self._active.add(cmd.request_id)
+                except Exception as exc:  # a duplicate id; admission was checked when it was submitted
                     error = exc
             try:
-                stream._loop.call_soon_threadsafe(self._settle, stream, error)
+                cmd.stream.loop.call_soon_threadsafe(self._settle, cmd.stream, error)
             except RuntimeError:  # the caller's loop is closed
-                self._streams.pop(request_id, None)
+                self._streams.pop(cmd.request_id, None)
 
     def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
         """Runs on the request's event loop: report the outcome of its add to the waiting caller."""
-        if error is not None:
-            stream.finished = True
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
-        if stream._added.done():  # the caller was cancelled meanwhile (and aborted the request)
-            return
-        if error is None:
-            stream._added.set_result(None)
-        else:
-            stream._added.set_exception(error)
+        if error is not None and self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        stream.settle(error)
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()
@@ -365,7 +315,7 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream._loop, []).append(out)
+                by_loop.setdefault(stream.loop, []).append(out)
         used = []
         for loop, outs in by_loop.items():
             try:
@@ -395,23 +345,18 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._queue.put_nowait(out)
+            stream.deliver(out)
             if out.finished:
                 del self._streams[out.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             try:
-                stream._loop.call_soon_threadsafe(self._fail, request_id, exc)
+                stream.loop.call_soon_threadsafe(self._fail, request_id, exc)
             except RuntimeError:
                 self._streams.pop(request_id, None)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        if not stream._added.done():
-            stream._added.set_exception(exc)
-        else:
-            stream._queue.put_nowait(exc)
-
+        if stream is not None:
+            stream.fail(exc)

@@ -14,13 +14,13 @@ from leanserve.config import EngineConfig
 from leanserve.core.kv_cache_manager import KVCacheManager
 from leanserve.core.request import Request, RequestStatus
 from leanserve.core.scheduler import Scheduler
+from leanserve.engine.admission import AdmittedRequest, RequestAdmission
 from leanserve.engine.output_processor import OutputProcessor, ParentState
-from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
+from leanserve.errors import InvalidParameterError
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
-from leanserve.quantization import check_kv_cache_dtype, check_quantization
 from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.cpu_threads import set_num_threads
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
 DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory left free after loading the weights
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineConfig.dtype -> torch
 
 
 @dataclass
@@ -48,14 +48,6 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up [vllm:prefix_cache_queries]
     prefix_cache_hits: int  # prompt tokens found [vllm:prefix_cache_hits]
     num_preemptions: int  # [vllm:num_preemptions]
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """torch dtype for "float32"/"bfloat16". Raises InvalidParameterError for others."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise InvalidParameterError("dtype", f"dtype must be one of float32, bfloat16; got {name!r}") from None
 
 
 class LLMEngine:
@@ -75,35 +67,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        check_quantization(config.quantization, config.quantization_group_size)
-        check_kv_cache_dtype(config.kv_cache_dtype)
+        dtype = _DTYPES[config.dtype]
+        if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
+            raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
         loaded = loaded or load_model(config.model, quantization=config.quantization)
-        self.model_config = loaded.config
+        self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
-        ctx = loaded.config.max_position_embeddings
+        ctx = cfg.max_position_embeddings
         self.max_model_len = config.max_model_len or ctx
         if self.max_model_len > ctx:
             raise InvalidParameterError("max_model_len", f"max_model_len={self.max_model_len} is longer than the "
                                         f"model's context of {ctx} tokens (positions beyond it were never trained)")
-        if self.max_model_len < 2:
-            raise InvalidParameterError("max_model_len", f"max_model_len must be >= 2, got {self.max_model_len}")
-        if config.block_size < 1 or config.max_num_seqs < 1:
-            raise InvalidParameterError("block_size", "block_size and max_num_seqs must be >= 1")
-        if config.max_num_batched_tokens is not None and config.max_num_batched_tokens < 1:
-            raise InvalidParameterError("max_num_batched_tokens", "max_num_batched_tokens must be >= 1")
         if config.num_threads is not None:
             set_num_threads(config.num_threads)
-        dtype = resolve_dtype(config.dtype)
-        if config.batch_invariant and (dtype != torch.float32 or self.device.type != "cpu"):
-            raise InvalidParameterError("batch_invariant", "batch_invariant needs dtype float32 on CPU")
-        cfg = loaded.config
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-        bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, dtype_name)
-        self.kv_bytes_per_token = bytes_per_token
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, config.dtype)
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
-        self.model = LlamaModel(loaded.config, loaded.weights, dtype=dtype, device=self.device,
+        self.model = LlamaModel(cfg, loaded.weights, dtype=dtype, device=self.device,
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
                                 native_kernels=config.use_native_kernels)
@@ -115,6 +96,8 @@ class LLMEngine:
         if num_blocks * config.block_size < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
                            num_blocks * config.block_size, self.max_model_len)
+        self.admission = RequestAdmission(self.tokenizer, cfg.vocab_size, self.max_model_len, config.block_size,
+                                          num_blocks)
         threshold = config.long_prefill_token_threshold
         if threshold is None:
             threshold = 2048 if self.device.type == "cuda" else 256
@@ -145,70 +128,36 @@ class LLMEngine:
         return DEFAULT_CPU_KV_CACHE_MEMORY
 
     # ----------------------------------------------------------------------------------------- requests
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text prompt (BOS added per the model) or a validated list of ids.
+    def admit(self, prompt: str | list[int], params: SamplingParams | None = None) -> AdmittedRequest:
+        """Validate and resolve a request (see :meth:`RequestAdmission.admit`); safe off the engine's thread.
 
         Raises:
-            InvalidParameterError: empty prompt, or ids outside the vocabulary.
+            InvalidParameterError (ContextLengthExceededError among them), KVCapacityError.
         """
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise InvalidParameterError("prompt", "the prompt is empty")
-        return ids
-
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Output-token limit for a prompt, checked against the context and the KV pool.
-
-        Raises:
-            ContextLengthExceededError: prompt (+ max_tokens) longer than max_model_len.
-            KVCapacityError: the pool cannot hold even the prompt and one token.
-        """
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for a completion.", param="prompt")
-        if params.max_tokens is not None:
-            if num_prompt_tokens + params.max_tokens > limit:
-                raise ContextLengthExceededError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                    f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                    param="max_tokens")
-            return params.max_tokens
-        capacity = self.kv.num_tokens_capacity()
-        if num_prompt_tokens >= capacity:
-            raise KVCapacityError(f"the prompt has {num_prompt_tokens} tokens but the whole KV cache holds "
-                                  f"{capacity} tokens; raise kv_cache_memory")
-        max_tokens = min(limit, capacity) - num_prompt_tokens
-        if params.min_tokens > max_tokens:
-            raise InvalidParameterError(
-                "min_tokens", f"min_tokens={params.min_tokens} does not fit: the prompt has {num_prompt_tokens} "
-                f"tokens and at most {max_tokens} more fit in the context ({limit}) and the KV cache ({capacity})")
-        return max_tokens
+        return self.admission.admit(prompt, params or SamplingParams())
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request (``params.n`` choices). Nothing is queued when it raises.
+        """:meth:`admit` the request, then :meth:`add_admitted` it. Nothing is queued when it raises.
 
         Raises:
-            InvalidParameterError (ContextLengthExceededError among them), KVCapacityError: see above;
-            ValueError: a request with this id is already running.
+            what :meth:`admit` and :meth:`add_admitted` raise.
         """
-        params = params or SamplingParams()
+        self.add_admitted(request_id, self.admit(prompt, params), arrival_time, priority)
+
+    def add_admitted(self, request_id: str, admitted: AdmittedRequest, arrival_time: float | None = None,
+                     priority: int = 0) -> None:
+        """Queue an admitted request as ``params.n`` sequences (``request_id`` or ``request_id#i``).
+
+        Args:
+            arrival_time: ``time.monotonic()`` of its arrival (default: now); TTFT and queue time count from it.
+            priority: lower runs first under the priority policy.
+        Raises:
+            ValueError: a request with this id is still unfinished.
+        """
         if request_id in self.processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be below the vocabulary size {vocab}")
-        prompt_ids = self.tokenize_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), params)
+        params = admitted.params
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
@@ -216,18 +165,11 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=(params.seed + i) % 2**64)  # stays in the accepted range
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(cid, prompt_ids, child_params, max_tokens, self.tokenizer.stop_token_ids,
-                                    arrival_time=arrival, priority=priority))
-        added = []
-        try:
-            for child in children:
-                self.scheduler.add_request(child)
-                added.append(child)
-        except KVCapacityError:
-            for child in added:
-                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
-            raise
-        parent = ParentState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
+            child = Request(cid, admitted.prompt_token_ids, child_params, admitted.max_tokens,
+                            self.tokenizer.stop_token_ids, arrival_time=arrival, priority=priority)
+            self.scheduler.add_request(child)
+            children.append(child)
+        parent = ParentState(request_id, admitted.prompt, admitted.prompt_token_ids)
         self.processor.add(parent, children)
 
     def abort_request(self, request_id: str | list[str]) -> None:

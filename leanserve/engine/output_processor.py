@@ -102,12 +102,15 @@ class OutputProcessor:
         choice = parent.choices[req.request_id]
         out = choice.output
         detok = choice.detokenizer
-        if detok.finished:
+        if not detok.finished:
+            out.delta_text += detok.flush()  # may itself complete a stop string held behind a split character
+        if detok.finished and req.status is not RequestStatus.FINISHED_ABORTED:
+            # a stop string ended it, even on the last allowed token (vLLM reports "stop" there too)
             out.stop_reason = detok.stop_reason
+            out.finish_reason = "stop"
         else:
-            out.delta_text += detok.flush()
             out.stop_reason = req.stop_reason
-        out.finish_reason = req.status.finish_reason
+            out.finish_reason = req.status.finish_reason
         out.text = detok.output_text
 
     def snapshot(self, req: Request) -> RequestOutput:

@@ -24,14 +24,15 @@ class LLM:
 
     Args:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: "float32" or "bfloat16".
-        block_size, kv_cache_memory (bytes), max_num_seqs, max_num_batched_tokens, max_model_len (tokens),
-        enable_prefix_caching, seed: see :class:`leanserve.config.EngineConfig`.
-        loaded: reuse an already loaded model (skips loading).
-        quantization: "auto" (GGUF Q4_0/Q4_1/Q8_0 stay in their native bits), "none", "int8" or "int4".
-        kv_cache_dtype: "auto" (the model dtype), "float16" (half the bytes of fp32, read as fp32) or "int8".
-        engine_kwargs: other :class:`EngineConfig` fields (``long_prefill_token_threshold``,
-            ``scheduling_policy``, ``quantization_group_size``); an unknown name raises TypeError.
+        loaded: reuse an already loaded model (skips loading; ``model`` is then ignored).
+        device: torch device; default CUDA when available, else CPU.
+        **engine_kwargs: the fields of :class:`leanserve.config.EngineConfig` (``dtype``, ``block_size``,
+            ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+            ``enable_prefix_caching``, ``quantization``, ``kv_cache_dtype``, ...), with its defaults.
+
+    Raises:
+        TypeError: an unknown keyword. InvalidParameterError: a bad engine option. ModelLoadError: the model
+            cannot be loaded.
 
     Example:
         >>> llm = LLM()
@@ -39,17 +40,9 @@ class LLM:
         >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", block_size: int = 16,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, loaded: LoadedModel | None = None,
-                 device: str | None = None, quantization: str = "auto", kv_cache_dtype: str = "auto",
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, device: str | None = None,
                  **engine_kwargs: Any) -> None:
-        config = EngineConfig(model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              quantization=quantization, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
-        self.engine = LLMEngine(config, loaded=loaded, device=device)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded, device=device)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -105,17 +98,10 @@ class LLM:
                 raise InvalidParameterError("sampling_params", f"got {len(params_list)} sampling params for "
                                             f"{len(prompts)} prompts")
         engine = self.engine
-        for p, params in zip(prompts, params_list, strict=True):  # validate everything before queueing
-            engine.resolve_max_tokens(len(engine.tokenize_prompt(p)), params)
-        ids: list[str] = []
-        try:
-            for p, params in zip(prompts, params_list, strict=True):
-                rid = f"llm-{next(self._ids)}"
-                engine.add_request(rid, p, params)
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        admitted = [engine.admit(p, params) for p, params in zip(prompts, params_list, strict=True)]  # all, first
+        ids = [f"llm-{next(self._ids)}" for _ in admitted]
+        for rid, request in zip(ids, admitted, strict=True):
+            engine.add_admitted(rid, request)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
         while engine.has_unfinished_requests():

@@ -14,6 +14,7 @@ import time
 
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import LoadedModel
+from leanserve.quantization import check_quantization
 
 __all__ = ["LoadedModel", "load_model", "default_model_path"]
 
@@ -63,8 +64,6 @@ def load_model(path: str | None = None, quantization: str = "none") -> LoadedMod
         UnsupportedTensorTypeError: a GGUF tensor type cannot be dequantized (raised before anything loads).
         UnsupportedQuantizationError: an unknown ``quantization``.
     """
-    from leanserve.quantization import check_quantization
-
     check_quantization(quantization)
     start = time.perf_counter()
     path = default_model_path() if path is None else os.fspath(path)

@@ -40,7 +40,7 @@ class _FastGGUFReader(gguf.GGUFReader):
     """``gguf.GGUFReader`` slicing a plain ``ndarray`` view of its memory map instead of the ``np.memmap``.
 
     The stock reader makes a few views per metadata element, and every ``np.memmap`` view pays for
-    ``memmap.__array_finalize__``; with a 49k-token vocabulary that is ~2 s of the ~2.6 s it takes. The
+    ``memmap.__array_finalize__``, which dominates the load of a large vocabulary. The
     parsing is the reader's own (only its ``_get`` primitive is replaced), so fields and tensors are the
     same -- ``tests/loader/test_gguf_dequant.py`` checks that against the stock reader. Tensor ``data`` are
     read-only views of the file map.

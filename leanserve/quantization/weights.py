@@ -1,40 +1,186 @@
-"""Weight-only quantized matrices and their matmuls (gpt-fast style: the model swaps a float weight for one of these).
+"""The model's weight matrices, each owning the one ``matmul`` that picks its kernel (gpt-fast style: the model
+holds one of these for every projection, and a quantization method only changes which class it holds).
 
+* :class:`LinearWeight` -- the protocol they share: ``w.matmul(x, bias=None, *, kernel_rows=None, invariant_rows=0)``.
+* :class:`FloatWeight` -- a float32 / bfloat16 matrix (``quantization="none"``, and float tensors under ``auto``).
 * :class:`Int8Weight` -- int8 codes with a scale per output row (symmetric per channel), or per group of input
   columns (GGUF Q8_0: groups of 32).
 * :class:`Int4Weight` -- 4-bit codes in torch's CPU packed layout with a scale and a zero point per group of
   32, 64 or 128 input columns: ``w = (q - 8) * scale + zero`` (the convention of ``_weight_int4pack_mm_for_cpu``).
-* :class:`BlockQuantWeight` -- a GGUF Q4_0 / Q4_1 / Q8_0 matrix in its file layout (codes + fp16 scales) for
-  leanserve's own kernel (``leanserve/kernels/block_quant_gemm.cpp``): fp32 activations and output, exact weights.
-* :class:`GroupQuantized` -- the exact, unpacked form of a GGUF Q4_0 / Q4_1 / Q8_0 tensor as the loader reads it;
-  :func:`pack_group_quantized` turns it into one of the above without re-quantizing.
+* :class:`BlockQuantWeight` -- a GGUF Q4_0 / Q4_1 / Q8_0 matrix holding the file's codes and fp16 scales, in lane
+  layout or file layout, for leanserve's own kernels (``leanserve/kernels/block_quant_gemm.cpp``): fp32
+  activations and output, exact weights.
+* :class:`GroupQuantized` -- the exact, unpacked form of a GGUF Q4_0 / Q4_1 / Q8_0 tensor as the loader reads it
+  (not a :class:`LinearWeight`); :func:`pack_group_quantized` turns it into one of the above without
+  re-quantizing, :func:`quantize_weight` applies a ``--quantization`` method.
 
-Kernel choice (measured on this 2-core AVX2 CPU, see ``benchmarks/quant.py`` and ``../shared/MACHINE-NOTES.md``):
-torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` are fast only with bf16 activations, and with
-bf16 activations they were as fast as or faster than the fp32 BLAS GEMM at every batch size measured (1..512 rows;
-e.g. a 3072x576 matrix at 32 rows: int4 3.4 ms, int8 4.4 ms, fp32 ~35 ms under load). So activations are rounded
-to bf16 for the packed kernels at every batch size, and their bf16 output is returned as float32. Per-group int8
-(Q8_0) has no torch kernel: it is dequantized per call (correct, memory-saving, slow).
+Kernel per class and row count T (the reasons; measurements are in README.md and ``benchmarks/quant.py``):
 
-Numerics: scales and zero points are stored in bf16 (the kernels require it), and quantization from float rounds
-them to bf16 *before* choosing the codes, so :meth:`dequantize` is exactly what the kernel multiplies by. The matmul
-then differs from ``x @ dequantize().T`` in fp32 only by the bf16 rounding of the activations and of the output
-(unit roundoff 2**-8 each): ``|y - ref| <= 2**-7 * (|x| @ |W|.T)`` elementwise, up to fp32 summation error.
-:class:`BlockQuantWeight` is much closer: its kernel rounds activations to int16 per block of 32 (2**-16 of the
-block's largest value) and accumulates in exact int32 and fp32; over 32 greedy decode steps of the default model
-its largest log-probability difference to the dequantized fp32 model is 0.002, against 0.03 with torch's kernels
-(tests/quantization/test_quality.py).
+* :class:`FloatWeight`: float32 on CPU with NumPy's BLAS (:func:`numpy_blas_enabled`): OpenBLAS gemv at T = 1,
+  gemm at T > 1 (it streams weights faster than torch's path in the decode matrix-vector products); bfloat16 on CPU
+  at T > :data:`BF16_GEMM_MAX_ROWS`: the product in float32 (the CPU has no fast bf16 GEMM; a bf16 gemv is fast,
+  half the bytes); else ``torch.nn.functional.linear``.
+* :class:`Int8Weight` (per channel) / :class:`Int4Weight`: torch's ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu`` at every T, on activations rounded to bf16 (those kernels are fast only with bf16
+  activations, and then at least as fast as the fp32 GEMM at every batch size); their bf16 output is returned in
+  x's dtype. Per-group int8 (Q8_0) has no torch kernel: it is dequantized per call (correct, memory-saving, slow).
+* :class:`BlockQuantWeight`: lane layout: the lane kernel at every T. File layout: the block kernel on decode rows
+  while there are at most :data:`BLOCK_KERNEL_MAX_ROWS` of them, dequantize + :class:`FloatWeight` GEMM on prefill
+  rows (and on decode rows beyond that count, where the GEMM is faster).
+
+Numerics: scales and zero points of :class:`Int8Weight` / :class:`Int4Weight` are stored in bf16 (the kernels
+require it), and quantization from float rounds them to bf16 *before* choosing the codes, so :meth:`dequantize` is
+exactly what the kernel multiplies by. Their matmul then differs from ``x @ dequantize().T`` in fp32 only by the
+bf16 rounding of the activations and of the output (unit roundoff 2**-8 each):
+``|y - ref| <= 2**-7 * (|x| @ |W|.T)`` elementwise, up to fp32 summation error. :class:`BlockQuantWeight` is much
+closer: its kernels round activations to int16 per block of 32 (2**-16 of the block's largest value) and
+accumulate in exact int32 and fp32 (bounds checked in tests/quantization/test_block_quant.py and, on the default
+model, tests/quantization/test_quality.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from leanserve.errors import UnsupportedQuantizationError
 from leanserve.quantization.int4_pack import pack_int4, unpack_int4
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+
+
+class LinearWeight(Protocol):
+    """A weight matrix W [out, in] (``nn.Linear`` layout) that multiplies activations with its own kernel.
+
+    ``matmul(x, bias=None, *, kernel_rows=None, invariant_rows=0)`` returns ``x @ W.T + bias``:
+
+    * ``x``: [T, in], float32 or bfloat16 (the model dtype; a :class:`FloatWeight` expects its own dtype).
+    * ``bias``: [out] in x's dtype, or None: fused into ``F.linear`` where a class runs that, else added to the
+      product; it never changes which kernel runs.
+    * ``kernel_rows``: how many leading rows of ``x`` are decode tokens (one per sequence; the rest of the step are
+      prefill tokens, as the model runner orders a step); None: all rows alike. Only a kernel whose choice must not
+      depend on how a prompt was chunked reads it (:class:`BlockQuantWeight` in file layout).
+    * ``invariant_rows``: 0, or batch-invariant mode: every row is computed by the same kernel whatever T is (a
+      :class:`FloatWeight` on NumPy's BLAS runs gemm on chunks of exactly ``invariant_rows`` rows; a file-layout
+      :class:`BlockQuantWeight` keeps its block kernel at every T; the other kernels are row-invariant already).
+    * returns [T, out] in x's dtype (the bf16 rule of :class:`FloatWeight` aside: bf16 weights give bf16).
+    """
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the matrix holds (packed codes and scales for the quantized classes)."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """W as a float32 [out, in] tensor."""
+        ...
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
+               invariant_rows: int = 0) -> torch.Tensor:
+        """``x @ W.T + bias``: x [T, in] -> [T, out] (see the class notes)."""
+        ...
+
+
+def numpy_blas_enabled() -> bool:
+    """Whether fp32 CPU matmuls may use NumPy's BLAS: only when OpenMP waits passively (see leanserve/__init__)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+
+
+_NUMPY_BLAS = numpy_blas_enabled()  # read once, at import (leanserve/__init__ sets the policy before torch loads)
+
+# Rows above which a bf16 matmul on CPU runs in fp32: the CPU has no fast bf16 GEMM, while a bf16 matrix-vector
+# product is fast (half the bytes of fp32).
+BF16_GEMM_MAX_ROWS = 8
+
+# Rows of every BLAS gemm call in batch-invariant mode (the model's ``invariant_rows``). OpenBLAS rounds a row of
+# x @ w.T differently for different M on some CPUs (its Haswell kernels: M = 3 vs M >= 7), but with M fixed a row's
+# result depends neither on its position in the call nor on the other rows (checked for the default model's shapes
+# on both machine kinds: tests/model/test_batch_invariance.py); so x is cut into chunks of exactly this many rows,
+# the last one zero-padded.
+INVARIANT_ROWS = 8
+
+
+class FloatWeight:
+    """A float matrix ``weight`` [out, in] (float32 or bfloat16, on any device) and its matmul.
+
+    Kernel, for x [T, in] (see :class:`LinearWeight` for the arguments):
+
+    * float32 on CPU with :func:`numpy_blas_enabled` (float32 x): NumPy's BLAS: gemv at T = 1, gemm at T > 1; with
+      ``invariant_rows`` (batch-invariant mode), gemm on chunks of exactly that many rows, the last zero-padded, so
+      every row goes through the same kernel whatever T is. Returns float32; the bias is added to the product.
+    * bfloat16 on CPU at T > :data:`BF16_GEMM_MAX_ROWS`: ``F.linear`` in float32 (x, weight and bias widened),
+      rounded to bfloat16.
+    * otherwise ``F.linear(x, weight, bias)``.
+
+    ``kernel_rows`` is accepted for the common signature and not read. The NumPy view of the weight and the kernel
+    flags are fixed at construction: the weight tensor must not be replaced or resized afterwards.
+
+    Attributes:
+        weight: the [out, in] tensor (contiguous, as the model builds it).
+    """
+
+    __slots__ = ("weight", "_wn", "_wnt", "_bf16_cpu")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        cpu = weight.device.type == "cpu"
+        self._wn = weight.numpy() if _NUMPY_BLAS and cpu and weight.dtype == torch.float32 else None
+        self._wnt = None if self._wn is None else self._wn.T
+        self._bf16_cpu = cpu and weight.dtype == torch.bfloat16
+
+    def __repr__(self) -> str:
+        return f"FloatWeight(shape={tuple(self.weight.shape)}, dtype={self.weight.dtype}, device={self.weight.device})"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] matrix (the tensor itself when it is float32)."""
+        return self.weight.float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``weight[ids]``: [len(ids), in] in the weight's dtype (an embedding lookup). ids: [T] int64."""
+        return F.embedding(ids, self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
+               invariant_rows: int = 0) -> torch.Tensor:
+        """``x @ weight.T + bias``: x [T, in] -> [T, out] (kernel per the class notes)."""
+        wn = self._wn
+        if wn is not None and x.dtype == torch.float32:
+            t = x.shape[0]
+            if invariant_rows:
+                c = invariant_rows
+                xp = torch.zeros(-(-t // c) * c, x.shape[1])
+                xp[:t] = x
+                xn, wnt = xp.numpy(), self._wnt
+                y = torch.from_numpy(np.concatenate([xn[i:i + c] @ wnt for i in range(0, xn.shape[0], c)]))[:t]
+            elif t == 1:
+                y = torch.from_numpy(wn @ x.numpy()[0]).unsqueeze(0)  # BLAS gemv
+            else:
+                y = torch.from_numpy(x.numpy() @ self._wnt)  # BLAS gemm
+            return y if bias is None else y + bias
+        if self._bf16_cpu and x.shape[0] > BF16_GEMM_MAX_ROWS:
+            return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+        return F.linear(x, self.weight, bias)
 
 
 @dataclass
@@ -78,12 +224,17 @@ class Int8Weight:
         q = self.qweight.float().view(out, k // self.group_size, self.group_size)
         return (q * self.scales.float()[..., None]).view(out, k)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for x [M, in] float: [M, out] in x's dtype (see the module notes on precision)."""
-        if self.group_size == self.shape[1]:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
+               invariant_rows: int = 0) -> torch.Tensor:
+        """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype; per channel, ``_weight_int8pack_mm`` on x
+        rounded to bf16; per group, fp32 ``F.linear`` on the dequantized matrix. Row-invariant at every T, so
+        ``kernel_rows`` and ``invariant_rows`` are not read. The bias is added to the product."""
+        if self.group_size == self.qweight.shape[1]:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
-            return y.to(x.dtype)
-        return torch.nn.functional.linear(x.float(), self.dequantize()).to(x.dtype)
+        else:
+            y = F.linear(x.float(), self.dequantize())
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
 
 
 @dataclass
@@ -153,16 +304,20 @@ class Int4Weight:
         q = self.codes().float().view(out, k // self.group_size, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(out, k)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for x [M, in] float: [M, out] in x's dtype (see the module notes on precision)."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
+               invariant_rows: int = 0) -> torch.Tensor:
+        """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype, through ``_weight_int4pack_mm_for_cpu``
+        on x rounded to bf16. Row-invariant at every T, so ``kernel_rows`` and ``invariant_rows`` are not read. The bias
+        is added to the product."""
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
 
 
-# Rows up to which a BlockQuantWeight in file layout (an output width not divisible by 64) runs its block kernel;
-# above, it dequantizes to fp32 and runs the BLAS GEMM. Measured on a 2-core AVX2 CPU for a 3072x576 matrix (2
-# threads): kernel vs dequantize + GEMM 0.94/1.23 ms at 32 rows, 1.60/1.47 ms at 48, 15.5/10.0 at 512.
+# Decode rows up to which a BlockQuantWeight in file layout (an output width not divisible by 64) runs its block
+# kernel; with more, it dequantizes to fp32 and runs the float GEMM, which is then the faster of the two (the
+# crossover of benchmarks/quant.py's kernel table for the default model's matrices).
 BLOCK_KERNEL_MAX_ROWS = 40
 
 
@@ -178,8 +333,9 @@ class BlockQuantWeight:
       ``lane_quant_gemm`` (leanserve/kernels/block_quant_gemm.cpp) runs every product, one row or thousands: int16
       activations per block of 32, exact int32 dot products, fp32 output, each row's result independent of the
       others (so prefix caching, chunking and batching never change a token's numbers).
-    * file layout (other widths): ``block_quant_gemm`` up to :data:`BLOCK_KERNEL_MAX_ROWS` rows (the same
-      arithmetic), above that dequantize to fp32 and the float GEMM.
+    * file layout (other widths): ``block_quant_gemm`` (the same arithmetic, row by row) on decode rows, while
+      there are at most :data:`BLOCK_KERNEL_MAX_ROWS` of them; dequantize to fp32 and the :class:`FloatWeight`
+      GEMM for the others (see :meth:`matmul`).
 
     Attributes:
         codes: file layout: 4-bit [out, in // 2] uint8 in ggml's nibble order (byte j of a block: element j low,
@@ -290,14 +446,33 @@ class BlockQuantWeight:
         codes, d, mn = self._file_rows(ids)
         return self.ext.block_dequantize(codes, d, mn, self.bits, _NONE)
 
-    def matmul(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        """``x @ w.T`` for x [M, in] float: [M, out] float32. ``row_invariant`` keeps the kernel at every M, so a
-        row's result never depends on how many rows came with it (batch-invariant mode; always so in lane
-        layout)."""
-        x = x.float()
-        if self.lanes or row_invariant or x.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
-            return self.kernel(x)
-        return torch.nn.functional.linear(x, self.dequantize())
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
+               invariant_rows: int = 0) -> torch.Tensor:
+        """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype (computed in float32; bias added after).
+
+        Lane layout: the lane kernel on every row (each row's result independent of the others). File layout: the
+        block kernel on the first ``kernel_rows`` rows (decode tokens; None: all T) when there are at most
+        :data:`BLOCK_KERNEL_MAX_ROWS` of them, else on none; dequantize (into :attr:`scratch`) + the
+        :class:`FloatWeight` GEMM on the other rows (prefill tokens always take that path, so a prompt token's
+        result does not depend on how the prompt was chunked or how much of it came from the prefix cache). With
+        ``invariant_rows`` (batch-invariant mode) every row runs the block kernel.
+        """
+        t = x.shape[0]
+        if self.lanes or invariant_rows:  # every row through the kernel
+            n = t
+        else:  # leading rows that run the kernel
+            n = t if kernel_rows is None else kernel_rows
+            if n > BLOCK_KERNEL_MAX_ROWS:
+                n = 0
+        xf = x if x.dtype == torch.float32 else x.float()
+        if n == t:
+            y = self.kernel(xf)
+        elif n == 0:
+            y = FloatWeight(self.dequantize(use_scratch=True)).matmul(xf)
+        else:
+            y = torch.cat([self.kernel(xf[:n]), FloatWeight(self.dequantize(use_scratch=True)).matmul(xf[n:])])
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if bias is None else y + bias
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` through the lane or block kernel at any M: x [M, in] float32, returns [M, out] float32."""
@@ -313,7 +488,7 @@ _NONE = torch.empty(0)  # "no buffer" / "no offsets" for the extension
 _NONE_F16 = torch.empty(0, dtype=torch.float16)
 
 
-QuantizedWeight = Int8Weight | Int4Weight | BlockQuantWeight
+QuantizedWeight = Int8Weight | Int4Weight | BlockQuantWeight  # the packed LinearWeights
 
 
 @dataclass
@@ -397,7 +572,8 @@ def pack_group_quantized(g: GroupQuantized, block_ext: Any = None) -> QuantizedW
 
 def quantize_weight(w: torch.Tensor | GroupQuantized, method: str, group_size: int = 32, block_ext: Any = None
                     ) -> torch.Tensor | QuantizedWeight:
-    """The weight ``linear`` will use under ``method`` (see leanserve.quantization.QUANTIZATION_METHODS).
+    """The weight a projection gets under ``method`` (see leanserve.quantization.QUANTIZATION_METHODS): a packed
+    :class:`LinearWeight`, or a float tensor (the model wraps it in a :class:`FloatWeight` in its dtype).
 
     ``auto`` packs a :class:`GroupQuantized` natively and leaves float tensors alone; ``none`` dequantizes;
     ``int8`` / ``int4`` quantize from float, except that a 4-bit GGUF tensor with a matching group size is packed

@@ -12,8 +12,9 @@ tokens/s at batch 1 and 32. ``--max-drop X`` makes the command exit 1 when a con
 from __future__ import annotations
 
 import json
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -23,6 +24,8 @@ from leanserve.loader import LoadedModel, load_model
 from leanserve.quantization import QUANTIZATION_METHODS
 from leanserve.sampling_params import SamplingParams
 from leanserve.tools.eval_metrics import ALL_METRICS, ROUGE_L_PASS, score
+from leanserve.tools.eval_report import format_table, gate_failures, write_png
+from leanserve.tools.eval_result import ConfigResult
 from leanserve.tools.perplexity import continuation_logprob, default_text, perplexity
 
 AGREEMENT_TOKENS = 32  # tokens of each greedy continuation compared with the baseline
@@ -36,23 +39,6 @@ class EvalConfig:
     name: str  # as given on the command line, e.g. "int4+kv-int8"
     quantization: str  # weights: none, auto, int8 or int4
     kv_cache_dtype: str  # auto, float16 or int8
-
-
-@dataclass
-class ConfigResult:
-    """Everything measured for one configuration (None where not measured)."""
-
-    name: str
-    perplexity: float
-    accuracy: float | None  # mean pass rate on the test set, in [0, 1]
-    per_metric: dict[str, float] = field(default_factory=dict)  # mean score per metric
-    first_token_agreement: float | None = None  # share of prompts whose first greedy token equals the baseline's
-    continuation_agreement: float | None = None  # share of identical 32-token greedy continuations
-    weight_bytes: int = 0
-    kv_bytes_per_token: int = 0
-    decode_tok_s_b1: float | None = None
-    decode_tok_s_b32: float | None = None
-    eval_seconds: float = 0.0
 
 
 def parse_configs(text: str) -> list[EvalConfig]:
@@ -207,10 +193,6 @@ def evaluate(configs: list[EvalConfig], loaded: LoadedModel, text: str, cases: l
 
 def run_eval_cli(args: Any) -> int:
     """``leanserve eval``: print the table, write JSON / PNG, and return 1 when ``--max-drop`` is exceeded."""
-    import sys
-
-    from leanserve.tools.eval_report import format_table, gate_failures, write_png
-
     configs = parse_configs(args.configs)
     cases = load_test_set(args.tests or default_tests_path())
     if args.text:

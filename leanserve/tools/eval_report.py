@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from leanserve.tools.eval import ConfigResult
+from leanserve.tools.eval_result import ConfigResult
 
 
 def _fmt(value: float | None, spec: str) -> str:

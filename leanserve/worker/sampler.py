@@ -14,9 +14,9 @@ Order of operations (as vLLM's v1 sampler):
 
 A draw takes one uniform number per row (inverse CDF: the first token whose cumulative probability
 exceeds ``u * total``), so a seeded request's tokens depend neither on the rest of the batch nor on its
-position in it. CPU speed (vocab 49152): a full-vocab sort costs ~4 ms a row and ``argmax``/``topk``/
-``cumsum`` are scalar loops while ``amax``/``sum`` are vectorized, so top-k/top-p/min-p use one cut per
-row found among ``topk`` candidates, and argmax, topk and the inverse CDF go through blocks.
+position in it. On CPU a full-vocabulary sort per row is slow and torch's ``argmax``/``topk``/``cumsum`` are
+scalar loops while ``amax``/``sum`` are vectorized, so top-k/top-p/min-p use one cut per row found among
+``topk`` candidates, and argmax, topk and the inverse CDF go through blocks.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
-"""Scraping the server's Prometheus metrics: deltas, peaks, prefix-cache hit rate, mean queue time."""
+"""Scraping the server's Prometheus metrics: deltas, peaks, prefix-cache hit rate, mean queue time; and the bench
+reading what leanserve's own ServerMetrics writes, for every name the two share."""
 
 from __future__ import annotations
 
 import asyncio
 
-from leanserve.bench.server_metrics import MetricsPoller, parse_samples
+from leanserve.bench import server_metrics as bench
+from leanserve.bench.server_metrics import MetricsPoller, parse_samples, pick
+from leanserve.engine.async_engine import AsyncEngineStats
+from leanserve.engine.llm_engine import EngineStats
+from leanserve.entrypoints.openai.metrics import ServerMetrics
+from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 import httpx
 import pytest
@@ -71,3 +77,86 @@ def test_report_from_before_during_after():
 
 def test_no_metrics_endpoint_gives_no_report():
     assert _poll([(404, "not found")]) is None
+
+
+class FakeEngine:
+    """The stats snapshot a ServerMetrics reads at scrape time, set by the test."""
+
+    def __init__(self) -> None:
+        self.set(running=0, waiting=0, kv=0.0, preemptions=0, queries=0, hits=0)
+
+    def set(self, *, running: int, waiting: int, kv: float, preemptions: int, queries: int, hits: int) -> None:
+        e = EngineStats(num_running=running, num_waiting=waiting, kv_cache_usage=kv, num_blocks=16,
+                        num_free_blocks=16 - round(16 * kv), prefix_cache_queries=queries, prefix_cache_hits=hits,
+                        num_preemptions=preemptions)
+        self.stats = AsyncEngineStats(e, waiting, running, kv)
+
+    def snapshot(self) -> AsyncEngineStats:
+        return self.stats
+
+
+def finish(metrics: ServerMetrics, engine: FakeEngine, rid: str, queue_time: float) -> None:
+    """One request of two tokens that waited ``queue_time`` seconds before its first scheduling, stepped to its end."""
+    m = RequestMetrics(arrival_time=0.0, first_scheduled_time=queue_time, first_token_time=queue_time + 0.5,
+                       last_token_time=queue_time + 1.0, finished_time=queue_time + 1.0, num_generation_tokens=2)
+    choice = CompletionOutput(index=0, token_ids=[7, 8], finish_reason="stop", metrics=m)
+    metrics.on_step([RequestOutput(rid, None, [1, 2, 3], [choice], finished=True, metrics=m)], engine.stats.engine)
+
+
+# What the bench reads (each of its tuples of sample names) -> the field of FakeEngine.set / the queue-time total
+# it must come back as. A new tuple in leanserve.bench.server_metrics must be added here.
+SHARED = {"KV_USAGE": "kv", "RUNNING": "running", "WAITING": "waiting", "PREEMPTIONS": "preemptions",
+          "PREFIX_QUERIES": "queries", "PREFIX_HITS": "hits", "QUEUE_SUM": "queue_sum", "QUEUE_COUNT": "queue_count"}
+
+
+def test_bench_reads_every_shared_metric_as_the_server_writes_it():
+    read = {k for k, v in vars(bench).items() if k.isupper() and isinstance(v, tuple)}
+    assert read == set(SHARED)
+    engine = FakeEngine()
+    values = dict(running=3, waiting=5, kv=0.375, preemptions=7, queries=96, hits=40)
+    engine.set(**values)
+    metrics = ServerMetrics("m", engine.snapshot, 512)
+    for i, q in enumerate((0.25, 0.75, 1.5)):
+        finish(metrics, engine, f"r{i}", q)
+    values.update(queue_sum=2.5, queue_count=3)
+    samples = parse_samples(metrics.render().decode())
+    for attr, field in SHARED.items():
+        sample_names = getattr(bench, attr)
+        assert sample_names[0] in samples, attr  # leanserve's own name, not a peer server's alias
+        assert not any(alias in samples for alias in sample_names[1:]), attr
+        assert pick(samples, sample_names) == pytest.approx(values[field]), attr
+
+
+def test_report_from_a_live_server_metrics():
+    engine = FakeEngine()
+    metrics = ServerMetrics("m", engine.snapshot, 512)
+    finish(metrics, engine, "old", 9.0)  # finished before the run: not in the mean queue time
+
+    def during_run() -> None:
+        engine.set(running=0, waiting=1, kv=0.25, preemptions=5, queries=250, hits=110)
+        finish(metrics, engine, "a", 0.25)
+        finish(metrics, engine, "b", 0.75)
+
+    # each scrape first moves the engine to its next state: before, during, after the run
+    states = [lambda: engine.set(running=1, waiting=0, kv=0.125, preemptions=2, queries=50, hits=10),
+              lambda: engine.set(running=4, waiting=6, kv=0.625, preemptions=3, queries=150, hits=40),
+              during_run]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        states.pop(0)()
+        return httpx.Response(200, content=metrics.render())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            poller = MetricsPoller(client, interval_s=100.0)
+            await poller.start()
+            await poller.scrape()
+            return await poller.stop()
+
+    report = asyncio.run(main())
+    assert report.peak_kv_cache_usage_perc == pytest.approx(0.625)
+    assert report.peak_num_requests_running == 4 and report.peak_num_requests_waiting == 6
+    assert report.num_preemptions == 3
+    assert report.prefix_cache_hit_rate == pytest.approx(100 / 200)
+    assert report.mean_queue_time_ms == pytest.approx(500.0)
+    assert report.num_scrapes == 3

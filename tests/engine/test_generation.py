@@ -210,8 +210,9 @@ def test_max_model_len_beyond_the_models_context_is_rejected(loaded):
         LLM(loaded=loaded, kv_cache_memory=16 << 20, max_model_len=ctx + 1)
 
 
-@pytest.mark.parametrize("mem", [0, 1000, -1])
-def test_kv_cache_memory_too_small_is_rejected(loaded, mem):
+@pytest.mark.parametrize(("mem", "message"), [(0, "must be >= 1"), (1000, "holds no block"), (-1, "must be >= 1")])
+def test_kv_cache_memory_too_small_is_rejected(loaded, mem, message):
     """0 bytes is too little, not "the default" (only None means that)."""
-    with pytest.raises(InvalidParameterError, match="holds no block"):
+    with pytest.raises(InvalidParameterError, match=message) as exc:
         LLM(loaded=loaded, kv_cache_memory=mem)
+    assert exc.value.param == "kv_cache_memory"

@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from leanserve.engine.admission import AdmittedRequest
 from leanserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.errors import InvalidParameterError
@@ -38,11 +39,17 @@ class FakeEngine:
         self.threads.add(threading.current_thread().name)
         self.num_calls += 1
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
-        self._mark()
+    def admit(self, prompt, params) -> AdmittedRequest:
+        """Admission runs on the caller's thread (it reads fixed settings only): not marked."""
         if prompt == "bad":
             raise InvalidParameterError("prompt", "bad prompt")
-        self.requests[request_id] = {"tokens": [], "max": params.max_tokens, "arrival": arrival_time}
+        return AdmittedRequest(prompt, [1, 2], params, params.max_tokens)
+
+    def add_admitted(self, request_id, admitted, arrival_time=None, priority=0) -> None:
+        self._mark()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = {"tokens": [], "max": admitted.max_tokens, "arrival": arrival_time}
 
     def _output(self, rid: str, reason: str | None) -> RequestOutput:
         r = self.requests[rid]

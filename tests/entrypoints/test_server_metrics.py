@@ -1,7 +1,9 @@
-"""ServerMetrics alone (no model): observations per request and per token gap, registries per app, GPU gauges."""
+"""ServerMetrics alone (no model): observations per request and per token gap, registries per app, GPU gauges,
+and every name of leanserve.metric_names exported with its kind and help text."""
 
 from __future__ import annotations
 
+from leanserve import metric_names as names
 from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.entrypoints.openai.metrics import ServerMetrics, build_1_2_5_buckets, summarize
@@ -94,3 +96,36 @@ def test_gpu_memory_gauges(monkeypatch):
 
 def test_token_buckets():
     assert build_1_2_5_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+def test_sample_name_helpers():
+    assert names.counter_sample(names.NUM_PREEMPTIONS) == "vllm:num_preemptions_total"
+    assert names.histogram_sum(names.REQUEST_QUEUE_TIME_SECONDS) == "vllm:request_queue_time_seconds_sum"
+    assert names.histogram_count(names.REQUEST_QUEUE_TIME_SECONDS) == "vllm:request_queue_time_seconds_count"
+    assert names.histogram_bucket(names.REQUEST_QUEUE_TIME_SECONDS) == "vllm:request_queue_time_seconds_bucket"
+
+
+def test_every_name_in_metric_names_is_exported_with_its_kind_and_help(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: 1000)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 2000)
+    m = ServerMetrics("m", snapshot, 512)
+    m.on_step([output("a", [[5, 6]], [1.2], True)], STATS)
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    kinds = {**dict.fromkeys(names.GAUGES + names.GPU_GAUGES, "gauge"), **dict.fromkeys(names.COUNTERS, "counter"),
+             **dict.fromkeys(names.HISTOGRAMS, "histogram")}
+    assert set(kinds) == set(names.HELP)  # every name has its help text, and no help text lacks a name
+    for name, kind in kinds.items():
+        family = families[name]
+        assert family.type == kind and family.documentation == names.HELP[name], name
+        expected = {"gauge": {name}, "counter": {names.counter_sample(name)},
+                    "histogram": {names.histogram_sum(name), names.histogram_count(name),
+                                  names.histogram_bucket(name)}}[kind]
+        assert {s.name for s in family.samples} == expected, name
+        label = names.DEVICE_LABEL if name in names.GPU_GAUGES else names.MODEL_NAME_LABEL
+        assert all(label in s.labels for s in family.samples), name
+    assert {s.labels[names.FINISHED_REASON_LABEL] for s in families[names.REQUEST_SUCCESS].samples} == {
+        "stop", "length", "abort"}

@@ -9,8 +9,13 @@ import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.kernels import native_ops
 from leanserve.loader.gguf_quant import read_group_quantized
 from leanserve.loader.gguf_tensors import open_gguf
-from leanserve.model.llama import linear
-from leanserve.quantization.weights import BLOCK_KERNEL_MAX_ROWS, BlockQuantWeight, pack_group_quantized
+from leanserve.quantization.weights import (
+    BLOCK_KERNEL_MAX_ROWS,
+    INVARIANT_ROWS,
+    BlockQuantWeight,
+    FloatWeight,
+    pack_group_quantized,
+)
 
 import gguf
 import numpy as np
@@ -67,7 +72,7 @@ def test_block_matmul_matches_fp32_reference(tmp_path: Path, qtype: QT, m: int) 
     scale = x.abs().view(m, -1, 32).amax(-1).double() / 32767  # [m, blocks]
     wabs = torch.from_numpy(np.abs(expect)).double().view(OUT, -1, 32).sum(-1)  # [out, blocks]
     bound = 0.5 * scale @ wabs.T + 1e-5 * (x.abs().double() @ torch.from_numpy(np.abs(expect)).double().T) + 1e-5
-    y = linear(x, w, bias)  # the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the lane kernel above
+    y = w.matmul(x, bias)  # lane layout: the lane kernel at every M
     assert y.dtype == torch.float32 and y.shape == (m, OUT)
     assert torch.all((y.double() - bias.double() - ref).abs() <= bound)
     file, _ = _weight(tmp_path, qtype, lanes=False)
@@ -76,10 +81,10 @@ def test_block_matmul_matches_fp32_reference(tmp_path: Path, qtype: QT, m: int) 
 
 
 def test_block_matmul_rows_are_independent(tmp_path: Path) -> None:
-    """A row's result is bitwise the same alone and in a batch, on the kernel path and (row_invariant) beyond it."""
+    """A row's result is bitwise the same alone and in a batch, on the kernel path and (invariant_rows) beyond it."""
     w, _ = _weight(tmp_path, QT.Q4_1)
     x = torch.randn(BLOCK_KERNEL_MAX_ROWS + 8, IN, generator=torch.Generator().manual_seed(3))
-    batch = w.matmul(x, row_invariant=True)
+    batch = w.matmul(x, invariant_rows=INVARIANT_ROWS)
     for i in (0, 1, 5, BLOCK_KERNEL_MAX_ROWS + 7):
         assert torch.equal(w.matmul(x[i:i + 1]), batch[i:i + 1])
     assert torch.equal(w.kernel(x[:12])[4:9], w.kernel(x[4:9]))
@@ -102,7 +107,7 @@ def test_file_layout_when_the_width_is_not_a_multiple_of_64(tmp_path: Path) -> N
     assert not w.lanes and w.nbytes == 40 * IN * 5 / 8
     x = torch.randn(20, IN, generator=torch.Generator().manual_seed(9))
     ref = x.double() @ torch.from_numpy(expect).double().T
-    assert (linear(x, w).double() - ref).abs().max() < 1e-3  # dequantize + fp32 GEMM
+    assert (w.matmul(x).double() - ref).abs().max() < 1e-3  # 20 rows: the block kernel
 
 
 @pytest.mark.parametrize("lanes", [True, False])
@@ -112,3 +117,25 @@ def test_kernels_reject_bad_shapes(tmp_path: Path, lanes: bool) -> None:
         w.matmul(torch.randn(2, IN - 32))
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         w.matmul(torch.randn(2, IN - 3))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_file_layout_kernel_choice_per_row(tmp_path: Path, qtype: QT) -> None:
+    """File layout: the block kernel on the leading ``kernel_rows`` decode rows (at most BLOCK_KERNEL_MAX_ROWS),
+    dequantize + the FloatWeight GEMM on the rest; with invariant_rows, the kernel on every row. Bitwise."""
+    w, _ = _weight(tmp_path, qtype, out=40)
+    assert not w.lanes
+    w.scratch = torch.empty(50 * IN)  # bigger than the matrix: the dequantization goes there
+    x = torch.randn(BLOCK_KERNEL_MAX_ROWS + 10, IN, generator=torch.Generator().manual_seed(11))
+    bias = torch.linspace(-1, 1, 40)
+    dense = FloatWeight(w.dequantize())
+    assert torch.equal(w.matmul(x, bias), dense.matmul(x) + bias)  # kernel_rows None, T > max: all GEMM
+    assert torch.equal(w.matmul(x[:5], bias), w.kernel(x[:5]) + bias)  # kernel_rows None, T <= max: kernel
+    for n in (0, 3, BLOCK_KERNEL_MAX_ROWS):
+        y = w.matmul(x, kernel_rows=n)
+        assert torch.equal(y[:n], w.kernel(x[:n])) and torch.equal(y[n:], dense.matmul(x[n:])), n
+    assert torch.equal(w.matmul(x, kernel_rows=BLOCK_KERNEL_MAX_ROWS + 1), dense.matmul(x))  # too many: GEMM
+    assert torch.equal(w.matmul(x, kernel_rows=3, invariant_rows=INVARIANT_ROWS), w.kernel(x))
+    xb = x[:4].to(torch.bfloat16)  # bf16 activations: computed in fp32, returned in bf16
+    yb = w.matmul(xb, kernel_rows=4)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, w.kernel(xb.float()).to(torch.bfloat16))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.errors import UnsupportedQuantizationError
-from leanserve.model.llama import linear
 from leanserve.quantization import check_kv_cache_dtype, check_quantization
 from leanserve.quantization.int4_pack import pack_int4, unpack_int4
 from leanserve.quantization.weights import Int4Weight, Int8Weight, quantize_weight
@@ -30,7 +29,7 @@ def test_int8_matmul_matches_dequantized_reference(m: int) -> None:
     deq = q.dequantize()
     assert (deq - w).abs().max() <= (w.abs().amax(1, keepdim=True) / 127 * 0.51 + 1e-6).max()  # round-to-nearest
     ref = x @ deq.T
-    y = linear(x, q)
+    y = q.matmul(x)
     assert y.dtype == torch.float32 and y.shape == (m, 192)
     assert torch.all((y - ref).abs() <= _bf16_bound(x, deq))
     assert torch.allclose(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
@@ -49,7 +48,7 @@ def test_int4_matmul_matches_dequantized_reference(group_size: int, m: int) -> N
     err = (deq - w).view(128, -1, group_size).abs().amax(-1)
     assert torch.all(err <= step * 0.5 + step * 0.1 + 1e-4)
     ref = x @ deq.T
-    y = linear(x, q, torch.ones(128))
+    y = q.matmul(x, torch.ones(128))
     assert y.shape == (m, 128)
     assert torch.all((y - 1 - ref).abs() <= _bf16_bound(x, deq) + 1e-5)
 

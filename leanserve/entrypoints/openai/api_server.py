@@ -8,7 +8,6 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -20,7 +19,9 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai.metrics import ServerMetrics
 from leanserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -221,28 +222,30 @@ class LeanserveServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._engine.begin_shutdown)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine per ``args`` (see ``leanserve serve --help``) and serve until Ctrl-C/SIGTERM."""
-    from leanserve.cli import engine_config
-    from leanserve.engine.llm_engine import LLMEngine
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the engine and serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, or 2 when the address
+    cannot be bound (checked before the model loads).
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+    Raises:
+        InvalidParameterError, ModelLoadError: from loading the engine.
+    """
+    sc = server_config
+    logging.basicConfig(level=getattr(logging, sc.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     try:  # before the model loads, so that a taken port or a bad address fails at once
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((args.host, args.port), family=family)
+        family = socket.getaddrinfo(sc.host, sc.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((sc.host, sc.port), family=family)
     except (OSError, OverflowError) as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        print(f"error: cannot listen on {sc.host}:{sc.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    llm_engine = LLMEngine(engine_config(args))
-    engine = AsyncEngine(llm_engine, max_waiting=args.max_waiting)
-    name = args.served_model_name or default_served_model_name(llm_engine.model_path)
-    app = build_app(engine, name, args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=10,
+    llm_engine = LLMEngine(engine_config)
+    engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting)
+    name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
+    app = build_app(engine, name, sc.api_key)
+    config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
                             lifespan="on")
     server = LeanserveServer(config, engine,
-                             lambda port: _banner(args.host, port, name, llm_engine.max_model_len, args.api_key))
+                             lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, sc.api_key))
     try:
         server.run(sockets=[sock])
     finally:

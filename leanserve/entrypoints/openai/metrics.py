@@ -1,9 +1,10 @@
-"""Prometheus metrics of one server (vLLM's ``vllm:*`` names, label ``model_name``), in a registry of its own.
+"""Prometheus metrics of one server (vLLM's names and ``model_name`` label, from :mod:`leanserve.metric_names`),
+in a registry of its own.
 
 Request-level histograms get one observation per request, when it ends (any reason); inter-token latency gets
 one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
 async engine's stats snapshot at scrape time. Process memory comes from prometheus_client's process collector;
-GPU memory (``leanserve:gpu_memory_*_bytes``) is exported when torch sees CUDA.
+GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when torch sees CUDA.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from leanserve import metric_names as names
 from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.outputs import RequestOutput
@@ -97,21 +99,21 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
         labels = [self._model_name]
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of sequences in the running batch.", s.num_running),
-            ("vllm:num_requests_waiting", "Number of sequences waiting to be scheduled.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV cache usage: fraction of blocks in use, 0..1.", s.kv_cache_usage),
+        for name, value in (
+            (names.NUM_REQUESTS_RUNNING, s.num_running),
+            (names.NUM_REQUESTS_WAITING, s.num_waiting),
+            (names.KV_CACHE_USAGE_PERC, s.kv_cache_usage),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL])
             g.add_metric(labels, value)
             yield g
         e: EngineStats = s.engine
-        for name, doc, value in (
-            ("vllm:num_preemptions", "Cumulative number of preemptions.", e.num_preemptions),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits),
+        for name, value in (
+            (names.NUM_PREEMPTIONS, e.num_preemptions),
+            (names.PREFIX_CACHE_QUERIES, e.prefix_cache_queries),
+            (names.PREFIX_CACHE_HITS, e.prefix_cache_hits),
         ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c = CounterMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL])
             c.add_metric(labels, value)
             yield c
 
@@ -120,10 +122,8 @@ class _GpuCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         import torch
 
-        allocated = GaugeMetricFamily("leanserve:gpu_memory_allocated_bytes", "GPU memory held by tensors.",
-                                      labels=["device"])
-        reserved = GaugeMetricFamily("leanserve:gpu_memory_reserved_bytes", "GPU memory reserved by torch.",
-                                     labels=["device"])
+        allocated, reserved = (GaugeMetricFamily(name, names.HELP[name], labels=[names.DEVICE_LABEL])
+                               for name in (names.GPU_MEMORY_ALLOCATED_BYTES, names.GPU_MEMORY_RESERVED_BYTES))
         for i in range(torch.cuda.device_count()):
             allocated.add_metric([str(i)], torch.cuda.memory_allocated(i))
             reserved.add_metric([str(i)], torch.cuda.memory_reserved(i))
@@ -143,40 +143,31 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats], max_model_len: int) -> None:
         self.registry = CollectorRegistry()
-        r, label = self.registry, ["model_name"]
+        r, label = self.registry, [names.MODEL_NAME_LABEL]
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, label, registry=r).labels(model_name)
+        def counter(name: str) -> Counter:
+            return Counter(name, names.HELP[name], label, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+        def histogram(name: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, names.HELP[name], label, buckets=buckets, registry=r).labels(model_name)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefilled prompt tokens.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generated tokens.")
-        self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = counter(names.PROMPT_TOKENS)
+        self.generation_tokens = counter(names.GENERATION_TOKENS)
+        self._success = Counter(names.REQUEST_SUCCESS, names.HELP[names.REQUEST_SUCCESS],
+                                [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=r)
         self._model_name = model_name
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Time to first token, from arrival (queueing included).", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             TOKEN_LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                               REQUEST_LATENCY_BUCKETS)
-        self.prefill = histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to first token.",
-                                 REQUEST_LATENCY_BUCKETS)
-        self.decode = histogram("vllm:request_decode_time_seconds", "Time from first to last output token.",
-                                REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, TTFT_BUCKETS)
+        self.itl = histogram(names.INTER_TOKEN_LATENCY_SECONDS, TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram(names.E2E_REQUEST_LATENCY_SECONDS, REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram(names.REQUEST_QUEUE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram(names.REQUEST_PREFILL_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram(names.REQUEST_DECODE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per request (all choices).", token_buckets)
+        self.request_prompt_tokens = histogram(names.REQUEST_PROMPT_TOKENS, token_buckets)
+        self.request_generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS, token_buckets)
         r.register(_EngineCollector(model_name, stats))
         ProcessCollector(registry=r)
         try:

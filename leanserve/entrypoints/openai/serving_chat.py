@@ -33,6 +33,7 @@ from leanserve.entrypoints.openai.serving_common import (
     OpenAIError,
     SSEResponse,
     add_all,
+    admit_all,
     arrival_time,
     bad_request,
     check_model,
@@ -87,20 +88,14 @@ class OpenAIServingChat:
                 raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                                   "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"{max_name} must be at least 1, got {max_tokens}", max_name)
-        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        names = dict(_PARAM_NAMES)
+        if req.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
         prompt_ids = self.render_prompt(req)
-        try:
-            self.engine.check_request(len(prompt_ids), params)
-        except Exception as exc:
-            raise to_openai_error(exc, _PARAM_NAMES) from None
         request_id = new_id("chatcmpl")
-        try:
-            (stream,) = await add_all(self.engine, request_id, [prompt_ids], params, arrival, req.priority)
-        except Exception as exc:
-            raise to_openai_error(exc, _PARAM_NAMES) from None
+        admitted = admit_all(self.engine, [prompt_ids], params, names)
+        (stream,) = await add_all(self.engine, request_id, admitted, arrival, req.priority)
         created = int(time.time())
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from leanserve.engine.admission import AdmittedRequest
 from leanserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from leanserve.entrypoints.openai.metrics import summarize
 from leanserve.entrypoints.openai.protocol import (
@@ -59,10 +60,13 @@ def to_openai_error(exc: BaseException, param_names: dict[str, str] | None = Non
     """Map leanserve's typed errors to HTTP errors. ``param_names`` renames SamplingParams fields to API fields."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ContextLengthExceededError):
-        return bad_request(str(exc), (param_names or {}).get(exc.param, exc.param), "context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
-        return bad_request(str(exc), (param_names or {}).get(exc.param, exc.param))
+        param = (param_names or {}).get(exc.param, exc.param)
+        message = str(exc)
+        if param != exc.param and message.startswith(exc.param + " "):  # "max_tokens must be ..." in API terms
+            message = param + message[len(exc.param):]
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
+        return bad_request(message, param, code)
     if isinstance(exc, KVCapacityError):
         return bad_request(f"request exceeds the KV cache capacity: {exc}", "max_tokens", "kv_cache_capacity_exceeded")
     if isinstance(exc, QueueFullError):
@@ -108,8 +112,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """SamplingParams of an API request. Raises OpenAIError 400 naming the API field."""
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    param_names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams of an API request. Raises OpenAIError 400 naming the API field (``param_names`` renames
+    SamplingParams fields to API fields)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.n > 128:
@@ -134,7 +140,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     try:
         return SamplingParams(**kwargs)
     except InvalidParameterError as exc:
-        raise to_openai_error(exc) from None
+        raise to_openai_error(exc, param_names) from None
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -262,20 +268,39 @@ class MultiStream:
             await s.aclose()
 
 
-async def add_all(engine: AsyncEngine, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                  arrival: float, priority: int) -> list[Any]:
-    """Queue one request per prompt (ids ``request_id`` or ``request_id-i``) and wait until the engine accepted
-    them all; on any failure abort those queued."""
+def admit_all(engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
+              param_names: dict[str, str] | None = None) -> list[AdmittedRequest]:
+    """Every prompt through the engine's single admission check, before any of them is queued.
+
+    Raises:
+        OpenAIError: the engine's verdict in the API's terms (``param_names`` renames engine names to API fields).
+    """
+    try:
+        return [engine.admit(prompt, params) for prompt in prompts]
+    except Exception as exc:
+        raise to_openai_error(exc, param_names) from None
+
+
+async def add_all(engine: AsyncEngine, request_id: str, admitted: list[AdmittedRequest], arrival: float,
+                  priority: int) -> list[Any]:
+    """Queue admitted requests (ids ``request_id``, or ``request_id-i`` for several) and wait until the engine
+    accepted them all; on any failure abort those queued.
+
+    Raises:
+        OpenAIError: 503 when the queue is full or the engine is down.
+    """
     streams = []
     try:
-        for i, prompt in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(engine.submit(rid, prompt, params, arrival_time=arrival, priority=priority))
+        for i, request in enumerate(admitted):
+            rid = request_id if len(admitted) == 1 else f"{request_id}-{i}"
+            streams.append(engine.submit(rid, request, arrival_time=arrival, priority=priority))
         for s in streams:
             await s.accepted()
-    except BaseException:
+    except BaseException as exc:
         for s in streams:
             s.abort()
+        if isinstance(exc, Exception):
+            raise to_openai_error(exc) from None
         raise
     return streams
 

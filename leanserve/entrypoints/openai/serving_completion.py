@@ -26,6 +26,7 @@ from leanserve.entrypoints.openai.serving_common import (
     MultiStream,
     SSEResponse,
     add_all,
+    admit_all,
     arrival_time,
     bad_request,
     check_model,
@@ -54,18 +55,14 @@ class OpenAIServingCompletion:
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
 
-    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+    @staticmethod
+    def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+        """The request's prompts: one text, texts, one list of token ids, or lists of them."""
         p = req.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            items = [p]
-        else:
-            items = list(p)
+        items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        try:
-            return [self.engine.tokenize_prompt(item) for item in items]
-        except InvalidParameterError as exc:
-            raise to_openai_error(exc) from None
+        return items
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         arrival = arrival_time(raw_request)
@@ -77,21 +74,12 @@ class OpenAIServingCompletion:
         prompts = self._prompts(req)
         if req.echo and req.max_tokens == 0:
             return self._echo_only(req, prompts)
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
         params = sampling_params(req, req.max_tokens, req.logprobs)
-        try:
-            for ids in prompts:
-                self.engine.check_request(len(ids), params)
-        except Exception as exc:
-            raise to_openai_error(exc) from None
+        admitted = admit_all(self.engine, prompts, params)
         request_id = new_id("cmpl")
-        try:
-            streams = await add_all(self.engine, request_id, prompts, params, arrival, req.priority)
-        except Exception as exc:
-            raise to_openai_error(exc) from None
+        streams = await add_all(self.engine, request_id, admitted, arrival, req.priority)
         created = int(time.time())
-        echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        echo = [self.tokenizer.decode(a.prompt_token_ids) if req.echo else "" for a in admitted]
         merged = MultiStream(streams)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -112,7 +100,12 @@ class OpenAIServingCompletion:
         return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo)
                             .model_dump(mode="json"))
 
-    def _echo_only(self, req: CompletionRequest, prompts: list[list[int]]) -> Response:
+    def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
+        """``echo`` with ``max_tokens: 0``: the prompts, tokenized as admission does, and nothing generated."""
+        try:
+            prompts = [self.engine.tokenize_prompt(p) for p in prompts]
+        except InvalidParameterError as exc:
+            raise to_openai_error(exc) from None
         choices = []
         for i, ids in enumerate(prompts):
             text = self.tokenizer.decode(ids)

@@ -1,6 +1,8 @@
 """Building a ``tokenizers.Tokenizer`` from a GGUF file's ``tokenizer.*`` metadata (llama.cpp key names).
 
-Used by :meth:`leanserve.tokenizer.Tokenizer.from_gguf`; returns the keyword arguments of ``Tokenizer``.
+Used by :meth:`leanserve.tokenizer.Tokenizer.from_gguf`; returns the keyword arguments of ``Tokenizer``. Also
+holds the vocabulary tables every tokenizer uses (GPT-2's byte alphabet, the end-of-turn token texts). It sits
+below :mod:`leanserve.tokenizer` and imports nothing from it (the loader imports both, never the reverse).
 """
 
 from __future__ import annotations

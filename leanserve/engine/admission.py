@@ -1,0 +1,126 @@
+"""The one admission check of a request: its prompt, sampling parameters and lengths, validated and resolved once.
+
+Every entry point (``LLM``, ``LLMEngine.add_request``, the HTTP server through ``AsyncEngine``) calls
+:meth:`RequestAdmission.admit`; what it returns, an :class:`AdmittedRequest`, is accepted by
+``LLMEngine.add_admitted`` without further checks. ``SamplingParams`` validates each parameter's type and range
+on construction; admission adds what needs the model and the KV pool: the prompt's tokens, stop ids against the
+vocabulary, prompt + ``max_tokens`` against the context, and the request against the KV pool's capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from leanserve.core.kv_cache_manager import cdiv
+from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
+from leanserve.sampling_params import SamplingParams
+from leanserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A validated request, ready for the scheduler.
+
+    Attributes:
+        prompt: the prompt's text when it was given as text, else None.
+        prompt_token_ids: the prompt's token ids (BOS included per the model), all in ``[0, vocab_size)``.
+        params: its sampling parameters (``params.n`` sequences share the prompt).
+        max_tokens: the resolved limit on output tokens: ``params.max_tokens``, or what is left of the context
+            and the KV pool when that is None; prompt + max_tokens fits both.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class RequestAdmission:
+    """Validates requests against an engine's fixed settings; thread-safe (it reads nothing that changes).
+
+    Args:
+        tokenizer: the model's tokenizer (encodes text prompts).
+        vocab_size: token ids must be below it.
+        max_model_len: longest sequence, prompt + output, in tokens.
+        block_size: tokens per KV block.
+        num_blocks: blocks in the whole KV pool.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int,
+                 num_blocks: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds."""
+        return self.num_blocks * self.block_size
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (BOS added per the model) or a checked copy of a list of ids.
+
+        Raises:
+            InvalidParameterError: ``param="prompt"``: empty prompt, or ids that are not integers in the vocabulary.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        return ids
+
+    def admit(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
+        """Validate ``prompt`` with ``params`` and resolve its output-token limit.
+
+        Raises:
+            InvalidParameterError: a bad prompt, ``stop_token_ids`` outside the vocabulary, or ``min_tokens`` that
+                cannot fit.
+            ContextLengthExceededError: prompt (+ ``max_tokens``) longer than ``max_model_len``; ``param`` is
+                "prompt" or "max_tokens".
+            KVCapacityError: prompt + output cannot fit in the whole KV pool.
+        """
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids",
+                                        f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        ids = self.tokenize(prompt)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
+        return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+
+    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for a completion.", param="prompt")
+        if params.max_tokens is not None:
+            if num_prompt + params.max_tokens > limit:
+                raise ContextLengthExceededError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                    f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                    param="max_tokens")
+            max_tokens = params.max_tokens
+        else:
+            max_tokens = max(1, min(limit, self.kv_capacity_tokens) - num_prompt)
+        if cdiv(num_prompt + max_tokens, self.block_size) > self.num_blocks:
+            raise KVCapacityError(
+                f"the request needs {num_prompt + max_tokens} tokens of KV cache ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion) but the KV cache holds {self.kv_capacity_tokens} tokens; "
+                f"reduce max_tokens or the prompt, or raise kv_cache_memory")
+        if params.min_tokens > max_tokens:
+            raise InvalidParameterError(
+                "min_tokens", f"min_tokens={params.min_tokens} does not fit: the prompt has {num_prompt} tokens "
+                f"and at most {max_tokens} more fit in the context ({limit}) and the KV cache "
+                f"({self.kv_capacity_tokens})")
+        return max_tokens

@@ -1,0 +1,78 @@
+"""A request's parameters are checked once, by the engine's admission, whichever entry point sent it: the Python
+API (``LLM``), HTTP chat and HTTP completions refuse the same bad request with the same message."""
+
+from __future__ import annotations
+
+from leanserve import LLM, SamplingParams
+from leanserve.engine.admission import RequestAdmission
+from leanserve.errors import ContextLengthExceededError, InvalidParameterError
+
+import pytest
+from conftest import SERVER_MAX_MODEL_LEN
+
+MSGS = [{"role": "user", "content": "Name three rivers."}]
+PROMPT_IDS = [1, 504, 3458, 28, 216, 7]  # any ids in the vocabulary
+
+
+@pytest.fixture(scope="module")
+def llm_like_server(loaded):
+    """An LLM with the shared server's context (the admission settings that matter here)."""
+    return LLM(loaded=loaded, max_model_len=SERVER_MAX_MODEL_LEN, kv_cache_memory=64 << 20)
+
+
+def count_admissions(monkeypatch) -> list[int]:
+    calls = []
+    original = RequestAdmission.admit
+
+    def spy(self, prompt, params):
+        calls.append(1)
+        return original(self, prompt, params)
+
+    monkeypatch.setattr(RequestAdmission, "admit", spy)
+    return calls
+
+
+def http_error(client, path: str, body: dict) -> dict:
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_max_tokens_beyond_the_context_one_message_everywhere(llm_like_server, client, monkeypatch):
+    too_many = SERVER_MAX_MODEL_LEN  # prompt + this > the context
+    calls = count_admissions(monkeypatch)
+    with pytest.raises(ContextLengthExceededError) as chat_exc:
+        llm_like_server.chat(MSGS, SamplingParams(max_tokens=too_many))
+    with pytest.raises(ContextLengthExceededError) as gen_exc:
+        llm_like_server.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(max_tokens=too_many))
+    assert len(calls) == 2  # one admission per request, nothing else checked the length
+    assert f"{len(PROMPT_IDS)} in the prompt, {too_many} for the completion" in str(gen_exc.value)
+
+    chat = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_tokens": too_many})
+    assert chat["message"] == str(chat_exc.value)
+    assert (chat["param"], chat["code"]) == ("max_tokens", "context_length_exceeded")
+    cmpl = http_error(client, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": too_many})
+    assert cmpl["message"] == str(gen_exc.value)
+    assert (cmpl["param"], cmpl["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_max_tokens_zero_one_message_everywhere(client):
+    with pytest.raises(InvalidParameterError) as exc:
+        SamplingParams(max_tokens=0)
+    assert exc.value.param == "max_tokens"
+    chat = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 0})
+    cmpl = http_error(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 0})
+    assert chat["message"] == cmpl["message"] == str(exc.value)
+    assert chat["param"] == cmpl["param"] == "max_tokens"
+    renamed = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 0})
+    assert renamed["param"] == "max_completion_tokens"
+    assert renamed["message"] == str(exc.value).replace("max_tokens", "max_completion_tokens", 1)
+
+
+def test_prompt_beyond_the_context_one_message_everywhere(llm_like_server, client):
+    long_ids = PROMPT_IDS * (SERVER_MAX_MODEL_LEN // len(PROMPT_IDS) + 1)
+    with pytest.raises(ContextLengthExceededError) as exc:
+        llm_like_server.generate({"prompt_token_ids": long_ids}, SamplingParams(max_tokens=1))
+    cmpl = http_error(client, "/v1/completions", {"prompt": long_ids, "max_tokens": 1})
+    assert cmpl["message"] == str(exc.value) and cmpl["param"] == "prompt"
+    assert llm_like_server.engine.scheduler.requests == {}  # nothing was queued
