@@ -1,4 +1,4 @@
-"""Command line: ``leanserve serve | demo | generate | chat | bench | plan | eval``."""
+"""Command line: ``leanserve serve | demo | generate | chat | bench | plan | eval | advise``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from leanserve.config import EngineConfig, ServerConfig, add_config_args, config_from_args
+from leanserve.config import EngineConfig, ServerConfig, add_config_args, config_from_args, flag_of
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai.api_server import run_server
 from leanserve.errors import LeanserveError
@@ -145,6 +145,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    # the CLI hands the bench's replay to the advisor: leanserve.tools and leanserve.bench do not import each other
+    from leanserve.bench.replay import WorkloadReplay, infer_workload
+    from leanserve.tools.advise import run_advise_cli
+    from leanserve.tools.advise_thresholds import TPOT_SLO_MS, TTFT_SLO_MS
+
+    def make_replay(workload: str, num_prompts: int, rate: float, seed: int, tokenizer: str | None):
+        return WorkloadReplay(workload, num_prompts, rate, seed, tokenizer, {"ttft": TTFT_SLO_MS, "tpot": TPOT_SLO_MS})
+
+    try:
+        return run_advise_cli(args, infer_workload, make_replay)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanserve", description="A lean LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,17 +193,25 @@ def build_parser() -> argparse.ArgumentParser:
     from leanserve.tools.eval_args import add_eval_args
 
     add_eval_args(ev)
+    from leanserve.bench.workloads import WORKLOADS
+    from leanserve.tools.advise_args import add_advise_args
+
+    add_advise_args(sub.add_parser("advise", help="read a server's metrics and rank what to optimize next"),
+                    sorted(WORKLOADS))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"serve": cmd_serve, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
-               "bench": cmd_bench, "plan": cmd_plan, "eval": cmd_eval}[args.command]
+               "bench": cmd_bench, "plan": cmd_plan, "eval": cmd_eval,
+               "advise": cmd_advise}[args.command]
     try:
         return handler(args)
     except LeanserveError as e:
-        print(f"error: {e}", file=sys.stderr)
+        param = (getattr(e, "param", None) or "").split(".")[0]  # "speculative_config.method" -> its flag
+        flag = param and (flag_of(EngineConfig, param) or flag_of(ServerConfig, param))
+        print(f"error: {flag}: {e}" if flag else f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

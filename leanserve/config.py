@@ -9,7 +9,8 @@ derived from their fields, as vLLM derives its CLI from ``EngineArgs``. Both val
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
@@ -86,7 +87,8 @@ class ModelConfig:
 
 
 def option(default: Any, help: str, *, type: Any = None, flag: str | None = None, aliases: tuple[str, ...] = (),
-           choices: tuple[Any, ...] | None = None, metavar: str | None = None, cli: bool = True) -> Any:
+           choices: tuple[Any, ...] | None = None, metavar: str | None = None, dest: str | None = None,
+           cli: bool = True, repeat: bool = False) -> Any:
     """A dataclass field with its command-line description.
 
     Args:
@@ -98,12 +100,14 @@ def option(default: Any, help: str, *, type: Any = None, flag: str | None = None
         aliases: more names for the flag (e.g. ``-q``).
         choices: the allowed values, checked by argparse and named in ``--help``.
         metavar: the value's name in ``--help`` (default: N for integers).
+        dest: the parsed value's attribute when it is not the field's name (a command's own flag may use that name).
         cli: False for options of the Python API only.
+        repeat: the flag may be given several times; the value is then the list of them (None when absent).
     """
     if metavar is None and type is int:
         metavar = "N"
     meta = {"help": help, "type": type, "flag": flag, "aliases": aliases, "choices": choices, "metavar": metavar,
-            "cli": cli}
+            "dest": dest, "cli": cli, "repeat": repeat}
     return field(default=default, metadata=meta)
 
 
@@ -119,6 +123,74 @@ def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise InvalidParameterError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each decode step of a request may verify up to
+    ``num_speculative_tokens`` proposed tokens at once, keeping exactly the target model's output distribution.
+
+    Raises:
+        InvalidParameterError: on construction, naming the field (``speculative_config.<field>``).
+    """
+
+    # "ngram": prompt lookup (Saxena 2023) over the request's own prompt and output; "draft_model": greedy drafts
+    # of a smaller (or more quantized) model with the target's vocabulary
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # most draft tokens verified per request and step
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram looked up (tokens)
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up (tokens)
+    model: str | None = None  # draft_model: GGUF file or HF folder (None: the target's own file)
+    quantization: str = "auto"  # draft_model: its weights (see EngineConfig.quantization)
+    # Per step, propose only as many tokens as each request's running acceptance rate makes worth their measured
+    # verification cost (False: always propose up to num_speculative_tokens)
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise InvalidParameterError("speculative_config.prompt_lookup_max",
+                                        f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                                        f"({self.prompt_lookup_min})")
+        if not isinstance(self.adaptive, bool):
+            raise InvalidParameterError("speculative_config.adaptive", "adaptive must be a boolean")
+        if self.model is not None and not isinstance(self.model, str):
+            self.model = str(self.model)
+        _check_choice("speculative_config.quantization", self.quantization, QUANTIZATION_METHODS)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from itself, a dict of its fields, or their JSON text (``--speculative-config``); None stays None.
+
+        Raises:
+            InvalidParameterError: bad JSON, an unknown field, or a bad value.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidParameterError("speculative_config", f"speculative_config is not valid JSON: {exc}") \
+                    from None
+        if not isinstance(value, dict):
+            raise InvalidParameterError("speculative_config", "speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidParameterError(f"speculative_config.{unknown[0]}",
+                                        f"unknown speculative_config field {unknown[0]!r}; known: "
+                                        f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -149,7 +221,7 @@ class EngineConfig:
     scheduling_policy: str = option("fcfs", "fcfs, or priority (lower request priority first)",
                                     choices=SCHEDULING_POLICIES)
     seed: int = option(0, "seed of the engine's generator, for requests that carry none", type=int,
-                       flag="--engine-seed")
+                       flag="--engine-seed", dest="engine_seed")
     num_threads: int | None = option(
         None, "CPU threads for matmuls and attention (torch's and BLAS pools; default: all cores; fewer on a "
         "machine shared with busy processes)", type=int, flag="--threads")
@@ -160,9 +232,12 @@ class EngineConfig:
     quantization: str = option("auto", "weights: auto (GGUF Q4_0/Q4_1/Q8_0 kept in their native bits), none "
                                "(float), int8 or int4 (quantized at load)", aliases=("-q",),
                                choices=QUANTIZATION_METHODS)
-    quantization_group_size: int = option(32, "int4 input columns per scale: 32, 64 or 128", type=int)
+    quantization_group_size: int = option(32, "int4 input columns per scale", type=int, choices=INT4_GROUP_SIZES)
     kv_cache_dtype: str = option("auto", "KV cache: auto (the model dtype), float16, or int8 (a scale per token "
                                  "and KV head)", choices=KV_CACHE_DTYPES)
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (fields of '
+        "SpeculativeConfig; default: off)", metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -183,6 +258,7 @@ class EngineConfig:
                 raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
         check_quantization(self.quantization, self.quantization_group_size)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass
@@ -190,13 +266,36 @@ class ServerConfig:
     """Options of the HTTP server around one engine (``leanserve serve``).
 
     Raises:
-        InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1 or an unknown
-            log level.
+        InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1, an unknown
+            log level, a negative limit or timeout, or an empty API key.
     """
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on (0: any free port)", type=int)
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on the API endpoints", metavar="KEY")
+    api_key: str | list[str] | None = option(
+        None, "require 'Authorization: Bearer KEY' on the API endpoints; repeat for several keys (tenants "
+        "key-1, key-2, ...; one key: tenant default)", metavar="KEY", repeat=True)
+    api_keys_file: str | None = option(
+        None, "JSON file of tenants, each with its own key and optional limits: [{\"name\": ..., \"key\": ..., "
+        "\"max_concurrent\": N, \"requests_per_minute\": N, \"tokens_per_minute\": N}, ...]", metavar="PATH")
+    tenant_max_concurrent: int | None = option(
+        None, "default per-tenant limit: requests in flight at once (429 + Retry-After beyond it)", type=int)
+    tenant_requests_per_minute: int | None = option(
+        None, "default per-tenant limit: generation requests per minute (429 + Retry-After beyond it)", type=int)
+    tenant_tokens_per_minute: int | None = option(
+        None, "default per-tenant limit: prompt + generated tokens per minute (429 + Retry-After beyond it)",
+        type=int)
+    max_request_bytes: int = option(8 << 20, "largest request body in bytes; larger ones get 413", type=int,
+                                    metavar="BYTES")
+    shutdown_timeout: float = option(
+        30.0, "on SIGTERM, seconds the in-flight requests may take to finish (new ones get 503) before the rest "
+        "are aborted; a second signal ends at once", type=float, metavar="SECONDS")
+    request_timeout: float | None = option(
+        None, "abort a request running longer than this many seconds from its arrival (default: no limit)",
+        type=float, metavar="SECONDS")
+    engine_stall_timeout: float = option(
+        10.0, "/health fails when the engine loop has not advanced for this many seconds while it has work",
+        type=float, metavar="SECONDS")
     served_model_name: str | None = option(None, "model name of the API (default: the model file's name)",
                                            metavar="NAME")
     max_waiting: int = option(1024, "most sequences waiting to be scheduled; beyond it requests get 503 + "
@@ -209,14 +308,51 @@ class ServerConfig:
             raise InvalidParameterError("port", f"port must be in 0-65535, got {self.port}")
         _check_int("max_waiting", self.max_waiting, 1)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
+        for key in self.api_keys:
+            if not isinstance(key, str) or not key.strip():
+                raise InvalidParameterError("api_key", "api_key must be a non-empty string")
+        for name in ("tenant_max_concurrent", "tenant_requests_per_minute", "tenant_tokens_per_minute"):
+            _check_int(name, getattr(self, name), 1, optional=True)
+        _check_int("max_request_bytes", self.max_request_bytes, 1024)
+        _check_seconds("shutdown_timeout", self.shutdown_timeout, positive=False)
+        _check_seconds("request_timeout", self.request_timeout, positive=True, optional=True)
+        _check_seconds("engine_stall_timeout", self.engine_stall_timeout, positive=True)
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys given with ``--api-key`` (one or several), in order."""
+        if self.api_key is None:
+            return []
+        return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
+
+
+def _check_seconds(name: str, value: Any, *, positive: bool, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise InvalidParameterError(name, f"{name} must be a number of seconds, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise InvalidParameterError(name, f"{name} must be {'> 0' if positive else '>= 0'} seconds, got {value}")
 
 
 C = TypeVar("C")
 
 
+def _dest(f) -> str:
+    return f.metadata["dest"] or f.name
+
+
+def flag_of(cls: type, name: str) -> str | None:
+    """The command-line flag of the config field ``name`` (e.g. ``num_threads`` -> ``--threads``), or None."""
+    for f in fields(cls):
+        if f.name == name and f.metadata.get("cli", False):
+            return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return None
+
+
 def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
     """Add one flag per field of the config dataclass ``cls`` (``--field-name`` unless the field says otherwise),
-    with the field's default, type, choices and help. The parsed value lands under the field's own name."""
+    with the field's default (shown in the help), type, choices and help."""
     for f in fields(cls):
         meta = f.metadata
         if not meta.get("cli", False):
@@ -224,10 +360,15 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         default = f.default if f.default is not MISSING else None
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         names = [flag, *meta["aliases"]]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
+        help_text = meta["help"]
+        if default is not None and not isinstance(default, bool) and "default" not in help_text:
+            help_text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": _dest(f), "default": default, "help": help_text}
         if isinstance(default, bool):
             kwargs["action"] = "store_false" if default else "store_true"
         else:
+            if meta.get("repeat"):
+                kwargs["action"] = "append"
             if meta["type"] is not None:
                 kwargs["type"] = meta["type"]
             if meta["choices"] is not None:
@@ -243,4 +384,4 @@ def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
     Raises:
         InvalidParameterError: a value the dataclass refuses.
     """
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("cli", False)})
+    return cls(**{f.name: getattr(args, _dest(f)) for f in fields(cls) if f.metadata.get("cli", False)})

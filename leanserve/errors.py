@@ -40,4 +40,12 @@ class UnsupportedQuantizationError(InvalidParameterError):
 
 
 class KVCapacityError(LeanserveError):
-    """A request needs more KV cache blocks than the whole pool has, so it can never be scheduled."""
+    """A request needs more KV cache blocks than the whole pool has, so it can never be scheduled.
+
+    Attributes:
+        param: what to shorten: ``"prompt"`` when the prompt alone does not fit, else ``"max_tokens"``.
+    """
+
+    def __init__(self, message: str, param: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.param = param

@@ -17,6 +17,7 @@ from __future__ import annotations
 MODEL_NAME_LABEL = "model_name"  # on every vllm:* metric
 FINISHED_REASON_LABEL = "finished_reason"  # on REQUEST_SUCCESS: "stop", "length" or "abort"
 DEVICE_LABEL = "device"  # on the leanserve:gpu_memory_* gauges: CUDA device index
+POSITION_LABEL = "position"  # on SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS: a draft's place in its run, from 0
 
 # --- gauges, read from the engine's stats at scrape time --------------------------------------------------------
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -30,6 +31,10 @@ REQUEST_SUCCESS = "vllm:request_success"
 NUM_PREEMPTIONS = "vllm:num_preemptions"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"  # label "position"
 
 # --- histograms (exposed as <name>_sum, <name>_count, <name>_bucket) --------------------------------------------
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
@@ -48,7 +53,8 @@ GPU_MEMORY_RESERVED_BYTES = "leanserve:gpu_memory_reserved_bytes"
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
 COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES,
-            PREFIX_CACHE_HITS)
+            PREFIX_CACHE_HITS, SPEC_DECODE_NUM_DRAFTS, SPEC_DECODE_NUM_DRAFT_TOKENS, SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS)
 HISTOGRAMS = (TIME_TO_FIRST_TOKEN_SECONDS, INTER_TOKEN_LATENCY_SECONDS, REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
               E2E_REQUEST_LATENCY_SECONDS, REQUEST_QUEUE_TIME_SECONDS, REQUEST_PREFILL_TIME_SECONDS,
               REQUEST_DECODE_TIME_SECONDS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS)
@@ -64,6 +70,10 @@ HELP: dict[str, str] = {
     NUM_PREEMPTIONS: "Cumulative number of preemptions.",
     PREFIX_CACHE_QUERIES: "Prompt tokens looked up in the prefix cache.",
     PREFIX_CACHE_HITS: "Prompt tokens found in the prefix cache.",
+    SPEC_DECODE_NUM_DRAFTS: "Speculative verifications: one per request and step that verified drafts.",
+    SPEC_DECODE_NUM_DRAFT_TOKENS: "Draft tokens verified.",
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS: "Draft tokens accepted.",
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS: "Draft tokens accepted, by position in their run (0 = first).",
     TIME_TO_FIRST_TOKEN_SECONDS: "Time to first token, from arrival (queueing included).",
     INTER_TOKEN_LATENCY_SECONDS: "Time between consecutive output tokens.",
     REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS: "Mean time per output token after the first, per request.",
@@ -86,6 +96,16 @@ NUM_REQUESTS_RUNNING_ALIASES = ("llamacpp:requests_processing",)  # llama.cpp: g
 NUM_REQUESTS_WAITING_ALIASES = ("llamacpp:requests_deferred",)  # llama.cpp: gauge
 PREFIX_CACHE_QUERIES_ALIASES = ("vllm:gpu_prefix_cache_queries",)  # vLLM V0: counter
 PREFIX_CACHE_HITS_ALIASES = ("vllm:gpu_prefix_cache_hits",)  # vLLM V0: counter
+PROMPT_TOKENS_ALIASES = ("llamacpp:prompt_tokens",)  # llama.cpp: counter
+GENERATION_TOKENS_ALIASES = ("llamacpp:tokens_predicted",)  # llama.cpp: counter
+
+# --- read by `leanserve advise` where a server exports them (leanserve itself does not, today) -----------------
+LLAMACPP_PROMPT_SECONDS = "llamacpp:prompt_seconds"  # llama.cpp: counter, seconds spent on prompts (all slots)
+LLAMACPP_PREDICTED_SECONDS = "llamacpp:tokens_predicted_seconds"  # llama.cpp: counter, seconds spent generating
+LLAMACPP_BUSY_SLOTS_PER_DECODE = "llamacpp:n_busy_slots_per_decode"  # llama.cpp: gauge, mean batch of a decode
+ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter (label kind): requests looked up
+ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
+PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"  # prometheus_client's process collector: gauge
 
 
 def counter_sample(name: str) -> str:

@@ -24,6 +24,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this sequence
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def queue_time(self) -> float | None:

@@ -67,6 +67,8 @@ class SamplingParams:
         logprobs: how many top alternatives to return per generated token besides the chosen one;
             None = no logprobs; 0..20.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        speculative: let the engine's speculative decoding (when configured) draft tokens for this request;
+            False turns it off for this request only (the output is the same either way).
 
     Raises:
         InvalidParameterError: on construction, when a value has the wrong type or is out of range;
@@ -90,6 +92,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -134,7 +137,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))
 
         self.stop = self._normalize_stop(self.stop)

@@ -64,6 +64,9 @@ def print_run(run: RunResult, out: TextIO = sys.stdout) -> None:
         _line(out, "Preemptions:", None if s.num_preemptions is None else int(s.num_preemptions))
         _line(out, "Prefix cache hit rate (%):", _pct(s.prefix_cache_hit_rate))
         _line(out, "Mean queue time (ms):", s.mean_queue_time_ms)
+        if s.spec_acceptance_rate is not None:
+            _line(out, "Draft acceptance rate (%):", _pct(s.spec_acceptance_rate))
+            _line(out, "Mean acceptance length:", s.spec_mean_acceptance_length)
     errors = sorted({r.error for r in run.results if r.error})
     for err in errors[:3]:
         out.write(f"error: {err[:200]}\n")

@@ -23,6 +23,9 @@ PREFIX_QUERIES = tuple(map(counter_sample, (names.PREFIX_CACHE_QUERIES, *names.P
 PREFIX_HITS = tuple(map(counter_sample, (names.PREFIX_CACHE_HITS, *names.PREFIX_CACHE_HITS_ALIASES)))
 QUEUE_SUM = (histogram_sum(names.REQUEST_QUEUE_TIME_SECONDS),)
 QUEUE_COUNT = (histogram_count(names.REQUEST_QUEUE_TIME_SECONDS),)
+SPEC_DRAFTS = (counter_sample(names.SPEC_DECODE_NUM_DRAFTS),)
+SPEC_DRAFT_TOKENS = (counter_sample(names.SPEC_DECODE_NUM_DRAFT_TOKENS),)
+SPEC_ACCEPTED = (counter_sample(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS),)
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -55,6 +58,9 @@ class ServerMetricsReport:
         num_preemptions: preemptions during the run.
         prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up, 0..1.
         mean_queue_time_ms: mean time requests finished during the run waited before their first scheduling.
+        spec_acceptance_rate: speculative decoding's accepted / verified draft tokens during the run, 0..1 (None
+            without speculation).
+        spec_mean_acceptance_length: tokens per verification, 1 + accepted / verifications (vLLM's definition).
         num_scrapes: successful scrapes (before, during and after).
     """
 
@@ -64,6 +70,8 @@ class ServerMetricsReport:
     num_preemptions: float | None = None
     prefix_cache_hit_rate: float | None = None
     mean_queue_time_ms: float | None = None
+    spec_acceptance_rate: float | None = None
+    spec_mean_acceptance_length: float | None = None
     num_scrapes: int = 0
 
 
@@ -126,6 +134,8 @@ class MetricsPoller:
             return None
         queries, hits = _delta(self._before, after, PREFIX_QUERIES), _delta(self._before, after, PREFIX_HITS)
         qsum, qcount = _delta(self._before, after, QUEUE_SUM), _delta(self._before, after, QUEUE_COUNT)
+        drafts, draft_tokens, accepted = (_delta(self._before, after, n)
+                                          for n in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED))
         return ServerMetricsReport(
             peak_kv_cache_usage_perc=self._peaks.get("kv"),
             peak_num_requests_running=self._peaks.get("running"),
@@ -133,4 +143,6 @@ class MetricsPoller:
             num_preemptions=_delta(self._before, after, PREEMPTIONS),
             prefix_cache_hit_rate=hits / queries if queries and hits is not None else None,
             mean_queue_time_ms=1000.0 * qsum / qcount if qcount and qsum is not None else None,
+            spec_acceptance_rate=accepted / draft_tokens if draft_tokens and accepted is not None else None,
+            spec_mean_acceptance_length=1 + accepted / drafts if drafts and accepted is not None else None,
             num_scrapes=self._scrapes)

@@ -57,6 +57,10 @@ class Request:
     finished_time: float | None = None
     admitted_seq: int = 0  # scheduler's admission counter (preemption picks the newest)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    # speculative decoding: draft tokens to verify in the next decode step (set by the engine before scheduling)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def all_token_ids(self) -> list[int]:

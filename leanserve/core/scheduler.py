@@ -28,13 +28,16 @@ class ScheduledRequest:
     """One request's share of a step."""
 
     request: Request
-    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on (drafts included)
     block_ids: list[int]  # the request's block table after allocation
+    # draft tokens verified after the request's pending token (a decode of 1 + len(spec_token_ids) rows)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == req.num_tokens
 
 
 @dataclass
@@ -55,8 +58,10 @@ class StepResult:
     """A request's progress after a step (consumed by the engine's output processor)."""
 
     request: Request
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # the sampled token, or the accepted drafts and the one after them
     finished: bool
+    num_draft_tokens: int = 0  # drafts verified in this step
+    num_accepted_tokens: int = 0  # of which accepted (they are new_token_ids[:num_accepted_tokens])
 
 
 class Scheduler:
@@ -145,12 +150,16 @@ class Scheduler:
         scheduled: set[str] = set()
         # Running requests: decodes first, then unfinished prefill chunks, each in admission order.
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
-        for req in order:
+        for idx, req in enumerate(order):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            spec = self._drafts(req, budget, reserve=len(order) - idx - 1) if num_new == 1 else []
+            if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
+                spec = []  # no room for the drafts: a plain decode (no preemption for speculation)
+            num_new += len(spec)
             while not self.kv.allocate_slots(req, num_new):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
                              key=lambda r: r.admitted_seq)
@@ -160,7 +169,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), spec))
             scheduled.add(req.request_id)
             budget -= num_new
         if out.num_preempted:
@@ -195,6 +204,19 @@ class Scheduler:
             self.waiting.appendleft(req)
         return out
 
+    def _drafts(self, req: Request, budget: int, reserve: int) -> list[int]:
+        """The request's drafts that fit: the step budget, the context (positions < max_model_len), what is left of
+        max_tokens (a run never yields more tokens than the request may still have), and the free blocks, keeping
+        ``reserve`` blocks for the running requests still to schedule (drafts never cause a preemption)."""
+        if not req.spec_token_ids:
+            return []
+        left = min(budget - 1, self.max_model_len - req.num_tokens - 1, req.max_tokens - len(req.output_token_ids) - 1)
+        k = min(len(req.spec_token_ids), max(0, left))
+        bs, held = self.kv.block_size, len(self.kv.block_ids(req.request_id))
+        while k and cdiv(req.num_tokens + k, bs) - held > self.kv.pool.num_free_blocks - reserve:
+            k -= 1
+        return req.spec_token_ids[:k]
+
     def _is_long(self, remaining: int) -> bool:
         threshold = self.long_prefill_token_threshold
         return threshold is not None and remaining > threshold
@@ -213,12 +235,18 @@ class Scheduler:
                 n -= self.min_chunk_tokens - left
         return n
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[StepResult]:
         """Advance the scheduled requests by the step's results.
 
         Args:
             out: the step's schedule.
-            sampled: request_id -> sampled token id, for requests whose step reached the end of their tokens.
+            sampled: request_id -> the sampled token id, or for a request that verified drafts the accepted drafts
+                followed by one more token; for requests whose step reached the end of their tokens.
+
+        Tokens are appended one at a time and each is checked against EOS, stop ids, max_tokens and the context, so
+        a stop inside an accepted run ends the request there. The KV of rejected drafts is rolled back
+        (``num_computed_tokens`` counts only accepted positions) before full blocks are cached, so no cached block
+        holds a rejected draft.
 
         Returns:
             One :class:`StepResult` per request that sampled a token (finished ones included).
@@ -227,19 +255,38 @@ class Scheduler:
         results = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            tokens = sampled.get(req.request_id)
+            num_spec = len(s.spec_token_ids)
+            if tokens is None:
+                req.num_computed_tokens += s.num_new_tokens - num_spec
+                self.kv.cache_blocks(req)
                 continue
-            req.output_token_ids.append(token)
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            assert 1 <= len(tokens) <= num_spec + 1 and tokens[:-1] == s.spec_token_ids[:len(tokens) - 1], \
+                f"request {req.request_id}: {tokens} do not extend its drafts {s.spec_token_ids}"
+            num_accepted = len(tokens) - 1
+            # the pending token and the accepted drafts are computed; rejected drafts' KV is overwritten later
+            req.num_computed_tokens += s.num_new_tokens - num_spec + num_accepted
+            req.spec_token_ids = []
+            req.num_draft_tokens += num_spec
+            req.num_accepted_tokens += num_accepted
+            new_tokens: list[int] = []
+            status = None
+            for token in tokens:
+                req.output_token_ids.append(token)
+                new_tokens.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            # a stop inside the run: the KV of accepted drafts after it belongs to no token of the output
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv.cache_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
-            results.append(StepResult(req, [token], req.is_finished))
+            results.append(StepResult(req, new_tokens, req.is_finished, num_spec, num_accepted))
         return results
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -80,6 +80,21 @@ class RequestAdmission:
             raise InvalidParameterError("prompt", "the prompt is empty")
         return ids
 
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt that is only echoed, never extended (``echo`` with ``max_tokens: 0``): it must fit
+        the context.
+
+        Raises:
+            InvalidParameterError: a bad prompt (see :meth:`tokenize`). ContextLengthExceededError: longer than
+                ``max_model_len``.
+        """
+        ids = self.tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens.", param="prompt")
+        return ids
+
     def admit(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
         """Validate ``prompt`` with ``params`` and resolve its output-token limit.
 
@@ -113,6 +128,10 @@ class RequestAdmission:
             max_tokens = params.max_tokens
         else:
             max_tokens = max(1, min(limit, self.kv_capacity_tokens) - num_prompt)
+        if cdiv(num_prompt + 1, self.block_size) > self.num_blocks:
+            raise KVCapacityError(
+                f"the prompt has {num_prompt} tokens but the KV cache holds {self.kv_capacity_tokens} tokens; "
+                f"shorten the prompt or raise kv_cache_memory", param="prompt")
         if cdiv(num_prompt + max_tokens, self.block_size) > self.num_blocks:
             raise KVCapacityError(
                 f"the request needs {num_prompt + max_tokens} tokens of KV cache ({num_prompt} in the prompt, "

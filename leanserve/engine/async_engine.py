@@ -16,6 +16,15 @@ Threading model:
 
 The waiting queue is bounded: ``max_waiting`` sequences (scheduler waiting + not yet handed to the engine);
 beyond it :meth:`AsyncEngine.add_request` raises :class:`QueueFullError` (HTTP 503 with Retry-After).
+
+Liveness and faults: the thread stamps a heartbeat every loop iteration; :meth:`AsyncEngine.stalled_for` says how
+long it has been busy without advancing (0 while it sleeps for lack of work), which the server's ``/health``
+compares with its stall limit. An exception inside one ``step()`` fails only the requests that step touched (the
+running ones; they get :class:`StepFailedError`, their KV blocks are freed) and the loop goes on; when the engine
+cannot be repaired that way (no scheduler to inspect, the clean-up itself fails, or
+``MAX_CONSECUTIVE_STEP_FAILURES`` steps fail in a row) the thread ends, every request gets
+:class:`EngineDeadError` and :attr:`AsyncEngine.dead` is set. Draining (:meth:`AsyncEngine.begin_drain`) refuses
+new requests and lets the in-flight ones finish; :meth:`AsyncEngine.begin_shutdown` aborts the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Protocol
 
 from leanserve.engine.admission import AdmittedRequest
 from leanserve.engine.llm_engine import EngineStats, LLMEngine
-from leanserve.engine.request_stream import RequestStream
+from leanserve.engine.request_stream import RequestStream, RequestTimeoutError
 from leanserve.errors import LeanserveError
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
@@ -38,6 +47,12 @@ from leanserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 # Longest wait (seconds) for an event loop to send a step's tokens before the engine thread starts the next step.
 _FLUSH_WAIT_S = 0.05
+# Steps failing in a row (no successful step between them) after which the engine is declared dead.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+SHUTTING_DOWN = "the server is shutting down"
+
+__all__ = ["AsyncEngine", "AsyncEngineStats", "EngineDeadError", "QueueFullError", "RequestTimeoutError",
+           "StepFailedError"]
 
 
 class QueueFullError(LeanserveError):
@@ -50,6 +65,11 @@ class QueueFullError(LeanserveError):
 
 class EngineDeadError(LeanserveError):
     """The engine thread failed or stopped; no request can be served."""
+
+
+class StepFailedError(LeanserveError):
+    """An engine step that ran this request raised; the request was stopped (its KV blocks freed), the engine
+    goes on serving the others."""
 
 
 class EngineObserver(Protocol):
@@ -95,13 +115,19 @@ class AsyncEngine:
     Args:
         engine: the engine; from now on only this object's thread calls it.
         max_waiting: most sequences waiting to be scheduled (None: unbounded).
+        request_timeout: seconds a request may run from its arrival before it is aborted with
+            :class:`RequestTimeoutError` (None: no limit).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 request_timeout: float | None = None) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._cond = threading.Condition()
@@ -111,7 +137,12 @@ class AsyncEngine:
         self._observers: list[EngineObserver] = []
         self._active: set[str] = set()  # engine thread: requests added to the engine and not finished
         self._stopping = False
+        self._draining = False
         self._dead: BaseException | None = None
+        self._beat = time.monotonic()  # engine thread: when its loop last advanced
+        self._idle = False  # engine thread: asleep on the condition for lack of work
+        self.num_step_failures = 0  # steps that raised (isolated or not)
+        self._failures_in_a_row = 0
         self._stats: AsyncEngineStats | None = None  # published by the engine thread before __init__ returns
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leanserve-engine", daemon=True)
@@ -128,6 +159,31 @@ class AsyncEngine:
         """True while the engine thread serves requests (not failed, not shut down)."""
         return self._dead is None and not self._stopping and self._thread.is_alive()
 
+    @property
+    def dead(self) -> BaseException | None:
+        """What ended the engine thread when it failed (None while it runs or after a clean shutdown)."""
+        return self._dead
+
+    @property
+    def draining(self) -> bool:
+        """True from :meth:`begin_drain` (or a shutdown) on: new requests are refused."""
+        return self._draining or self._stopping
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished (their streams still registered). Takes no lock, so it answers
+        even while the engine thread is stuck holding it."""
+        return len(self._streams)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine loop has been busy without completing an iteration (0 while it sleeps idle).
+
+        A step of normal length keeps this below the step's duration; a hung step, a deadlock or a thread that
+        died mid-step makes it grow without bound."""
+        if self._idle:
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
     def stats(self) -> AsyncEngineStats:
         """The latest snapshot (updated after every step and every batch of commands)."""
         with self._cond:
@@ -138,13 +194,13 @@ class AsyncEngine:
             return AsyncEngineStats(stats.engine, stats.num_waiting + self._pending_seqs, stats.num_running,
                                     stats.kv_cache_usage)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids, checked as admission checks them (safe off the engine thread).
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """:meth:`RequestAdmission.check_prompt`: a prompt that is only echoed must fit the context (thread-safe).
 
         Raises:
-            InvalidParameterError: an empty prompt or ids outside the vocabulary.
+            InvalidParameterError (ContextLengthExceededError among them).
         """
-        return self.engine.admission.tokenize(prompt)
+        return self.engine.admission.check_prompt(prompt)
 
     def admit(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
         """The engine's single admission check (:meth:`LLMEngine.admit`), run on the caller's thread: it reads
@@ -165,19 +221,19 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        stream = RequestStream(request_id, loop, self.abort)
         n = request.params.n
         with self._cond:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine failed: {self._dead!r}")
-            if self._stopping:
-                raise QueueFullError("the server is shutting down", retry_after=5.0)
+            if self._stopping or self._draining:
+                raise QueueFullError(SHUTTING_DOWN, retry_after=5.0)
             waiting = (self._stats.num_waiting if self._stats else 0) + self._pending_seqs
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting "
                                      f"(limit {self.max_waiting}); retry later")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            stream = RequestStream(request_id, loop, self.abort, self.request_timeout, arrival)
             self._streams[request_id] = stream
             self._commands.append(AddCommand(request_id, request, arrival, priority, stream))
             self._pending_seqs += n
@@ -211,6 +267,12 @@ class AsyncEngine:
             self._commands.append(AbortCommand(request_id))
             self._cond.notify()
 
+    def begin_drain(self) -> None:
+        """Refuse new requests (:class:`QueueFullError`, "shutting down") and let the in-flight ones finish; the
+        engine keeps running until :meth:`begin_shutdown`. Does not wait."""
+        with self._cond:
+            self._draining = True
+
     def begin_shutdown(self) -> None:
         """Refuse new requests, abort the in-flight ones (they end with finish_reason "abort"), stop the thread.
         Does not wait."""
@@ -235,7 +297,10 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     while not self._commands and not has_work and not self._stopping:
+                        self._idle = True
                         self._cond.wait()
+                    self._idle = False
+                    self._beat = time.monotonic()
                     commands, self._commands = self._commands, []
                     self._apply(commands)
                     stopping = self._stopping
@@ -244,7 +309,11 @@ class AsyncEngine:
                     self._publish_stats()
                 has_work = engine.has_unfinished_requests()
                 if has_work:
-                    outputs = engine.step()
+                    try:
+                        outputs = engine.step()
+                        self._failures_in_a_row = 0
+                    except Exception as exc:
+                        outputs = self._isolate_step_failure(exc)
                     with self._cond:
                         self._publish_stats()
                     self._wait_flushed(self._dispatch(outputs))
@@ -275,7 +344,7 @@ class AsyncEngine:
             self._pending_seqs -= cmd.request.params.n
             error: BaseException | None = None
             if self._stopping:
-                error = QueueFullError("the server is shutting down", retry_after=5.0)
+                error = QueueFullError(SHUTTING_DOWN, retry_after=5.0)
             else:
                 try:
                     self.engine.add_admitted(cmd.request_id, cmd.request, arrival_time=cmd.arrival_time,
@@ -288,6 +357,45 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is closed
                 self._streams.pop(cmd.request_id, None)
 
+    def _isolate_step_failure(self, exc: Exception) -> list[RequestOutput]:
+        """Engine thread, after ``step()`` raised: fail the requests the step touched (every request with a
+        choice that is not waiting, plus any whose state the failed step already dropped), free their blocks,
+        and return the outputs to dispatch. Re-raises (the thread then dies) when the engine cannot be repaired
+        this way."""
+        self.num_step_failures += 1
+        self._failures_in_a_row += 1
+        engine = self.engine
+        scheduler = getattr(engine, "scheduler", None)
+        processor = getattr(engine, "processor", None)
+        if scheduler is None or processor is None or not hasattr(processor, "children_of"):
+            raise exc  # nothing to inspect: the thread dies and every request fails
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+            logger.error("%d engine steps failed in a row; giving up", self._failures_in_a_row)
+            raise exc
+        logger.exception("engine step failed; failing the requests it ran and serving the others")
+        waiting = {r.request_id for r in scheduler.waiting}
+        victims = []
+        for rid in list(self._active):
+            children = processor.children_of(rid) if rid in processor.parents else []
+            if not children or any(cid not in waiting for cid in children):
+                victims.append(rid)
+        error = StepFailedError(f"the engine step running this request failed: {exc!r}")
+        with self._cond:
+            for rid in victims:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    try:
+                        stream.loop.call_soon_threadsafe(self._fail, rid, error)
+                    except RuntimeError:  # the caller's loop is closed
+                        self._streams.pop(rid, None)
+        # frees their KV blocks; their "abort" outputs come with the next step (metrics see them, the streams are
+        # gone by then: _fail runs on each loop before any later delivery)
+        engine.abort_request([rid for rid in victims if rid in processor.parents])
+        for rid in victims:
+            self._active.discard(rid)
+        logger.error("engine step failed (%r): failed %d request(s); %d still in the engine", exc, len(victims),
+                     len(self._active))
+        return []
     def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
         """Runs on the request's event loop: report the outcome of its add to the waiting caller."""
         if error is not None and self._streams.get(stream.request_id) is stream:

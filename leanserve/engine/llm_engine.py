@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from leanserve.config import EngineConfig
 from leanserve.core.kv_cache_manager import KVCacheManager
 from leanserve.core.request import Request, RequestStatus
-from leanserve.core.scheduler import Scheduler
+from leanserve.core.scheduler import Scheduler, SchedulerOutput
 from leanserve.engine.admission import AdmittedRequest, RequestAdmission
 from leanserve.engine.output_processor import OutputProcessor, ParentState
 from leanserve.errors import InvalidParameterError
@@ -23,6 +23,9 @@ from leanserve.model.llama import LlamaModel
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
+from leanserve.spec_decode.draft_model import DraftModelProposer
+from leanserve.spec_decode.ngram import NgramProposer
+from leanserve.spec_decode.policy import SpeculationPolicy, StepCostModel
 from leanserve.worker.cpu_threads import set_num_threads
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
@@ -48,6 +51,11 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up [vllm:prefix_cache_queries]
     prefix_cache_hits: int  # prompt tokens found [vllm:prefix_cache_hits]
     num_preemptions: int  # [vllm:num_preemptions]
+    spec_num_drafts: int = 0  # verification runs, one per request and step with drafts [vllm:spec_decode_num_drafts]
+    spec_num_draft_tokens: int = 0  # drafts verified [vllm:spec_decode_num_draft_tokens]
+    spec_num_accepted_tokens: int = 0  # drafts accepted [vllm:spec_decode_num_accepted_tokens]
+    # accepted drafts by position in their run [vllm:spec_decode_num_accepted_tokens_per_pos{position}]
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -82,6 +90,16 @@ class LLMEngine:
         if config.num_threads is not None:
             set_num_threads(config.num_threads)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, config.dtype)
+        spec = config.speculative_config
+        draft_loaded = None
+        if spec is not None and spec.method == "draft_model":
+            draft_loaded = load_model(spec.model or loaded.path, quantization=spec.quantization)
+            if draft_loaded.config.vocab_size != cfg.vocab_size:
+                raise InvalidParameterError(
+                    "speculative_config.model", f"the draft model's vocabulary ({draft_loaded.config.vocab_size} "
+                    f"tokens) differs from the target's ({cfg.vocab_size}): drafts must be the target's tokens")
+            # its KV cache uses the target's blocks: each block holds both models' K/V
+            self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
         self.model = LlamaModel(cfg, loaded.weights, dtype=dtype, device=self.device,
@@ -110,6 +128,34 @@ class LLMEngine:
                                   seed=config.seed, use_native_kernels=config.use_native_kernels)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
+        self.speculative_config = spec
+        self.proposer: NgramProposer | None = None
+        self.drafter: DraftModelProposer | None = None
+        self.spec_policy: SpeculationPolicy | None = None
+        self._spec_counts = [0, 0, 0]  # drafts runs, draft tokens, accepted tokens
+        self._spec_per_pos: list[int] = []
+        if spec is not None:
+            if draft_loaded is None:
+                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                draft = LlamaModel(draft_loaded.config, draft_loaded.weights, dtype=torch.float32, device=self.device,
+                                   max_position=max(self.max_model_len, draft_loaded.config.max_position_embeddings),
+                                   quantization=spec.quantization, group_size=config.quantization_group_size,
+                                   native_kernels=config.use_native_kernels)
+                draft_caches = allocate_kv_cache(draft, num_blocks, config.block_size,
+                                                 kv_cache_dtype=config.kv_cache_dtype)
+                self.drafter = DraftModelProposer(draft, draft_caches, config.block_size, config.use_native_kernels)
+            cost = draft_cost = None
+            if spec.adaptive:
+                # up to 64 rows (~0.5 s at start on 2 CPU cores); more rows are extrapolated linearly
+                most = min(64, config.max_num_seqs * (1 + spec.num_speculative_tokens))
+                rows = sorted({min(r, most) for r in (1, 2, 4, 8, 16, 32, 64)})
+                cost = StepCostModel(self.runner.measure_decode_cost(rows, repeats=3))
+                if self.drafter is not None:
+                    draft_rows = sorted({min(r, config.max_num_seqs) for r in (1, 2, 4, 8, 16, 32, 64)})
+                    draft_cost = StepCostModel(self.drafter.runner.measure_decode_cost(draft_rows, repeats=3))
+            self.spec_policy = SpeculationPolicy(cost, draft_cost)
+            self._spec_per_pos = [0] * spec.num_speculative_tokens
         self.load_time_s = loaded.load_time_s
         self.init_time_s = time.perf_counter() - t0
 
@@ -180,6 +226,7 @@ class LLMEngine:
             for cid in self.processor.children_of(rid):
                 req = self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
                 if req is not None:
+                    self._forget_drafts(cid)
                     self.processor.finish(req)
                     self._pending.append(self.processor.snapshot(req))
 
@@ -190,19 +237,78 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return a :class:`RequestOutput` for every request that advanced or finished."""
         outputs, self._pending = self._pending, []
+        if self.spec_policy is not None:
+            self._propose()
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             return outputs
+        if self.drafter is not None:
+            self._draft(sched_out)
         runner_out = self.runner.execute_model(sched_out)
         for res in self.scheduler.update_from_output(sched_out, runner_out.sampled):
             req = res.request
+            if res.num_draft_tokens:
+                self._observe_drafts(req.request_id, res.num_draft_tokens, res.num_accepted_tokens)
             stopped = self.processor.update(req, res.new_token_ids, runner_out.logprobs.get(req.request_id))
             if stopped and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 self.processor.finish(req)
+                self._forget_drafts(req.request_id)
             outputs.append(self.processor.snapshot(req))
         return outputs
+
+    # --------------------------------------------------------------------------------- speculative decoding
+    def _propose(self) -> None:
+        """Give every running decode its drafts for this step (as many as :class:`SpeculationPolicy` finds worth
+        verifying; none for a request whose ``params.speculative`` is False)."""
+        k = self.speculative_config.num_speculative_tokens
+        proposals: dict[str, tuple] = {}
+        num_decodes = 0
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue  # still prefilling
+            num_decodes += 1
+            if not req.sampling_params.speculative:
+                continue
+            if self.drafter is not None:  # lookahead slots now, the draft model's tokens once scheduled
+                drafts = [-1] * k
+            else:
+                drafts = self.proposer.propose(req.request_id, req.prompt_token_ids, req.output_token_ids, k)
+            if drafts:
+                proposals[req.request_id] = (req, drafts)
+        if not proposals:
+            return
+        if self.drafter is not None:
+            k = self.spec_policy.plan_draft_model(num_decodes, list(proposals), k)
+            plan = dict.fromkeys(proposals, k)
+        else:
+            plan = self.spec_policy.plan(num_decodes, {rid: len(d) for rid, (_, d) in proposals.items()})
+        for rid, (req, drafts) in proposals.items():
+            req.spec_token_ids = drafts[:plan[rid]]
+
+    def _draft(self, sched_out: SchedulerOutput) -> None:
+        """Fill the scheduled lookahead slots with the draft model's tokens."""
+        todo = [s for s in sched_out.scheduled if s.spec_token_ids]
+        if not todo:
+            return
+        drafts = self.drafter.propose([(s.request, s.block_ids, len(s.spec_token_ids)) for s in todo])
+        for s, d in zip(todo, drafts, strict=True):
+            s.spec_token_ids[:] = d
+
+    def _observe_drafts(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.spec_policy.observe(request_id, num_drafts, num_accepted)
+        self._spec_counts[0] += 1
+        self._spec_counts[1] += num_drafts
+        self._spec_counts[2] += num_accepted
+        for i in range(num_accepted):
+            self._spec_per_pos[i] += 1
+
+    def _forget_drafts(self, request_id: str) -> None:
+        if self.spec_policy is not None:
+            (self.proposer if self.proposer is not None else self.drafter).reset(request_id)
+            self.spec_policy.reset(request_id)
 
     def get_stats(self) -> EngineStats:
         """Current counters."""
@@ -211,4 +317,7 @@ class LLMEngine:
                            num_free_blocks=self.kv.pool.num_free_blocks,
                            prefix_cache_queries=self.kv.prefix_cache_queries,
                            prefix_cache_hits=self.kv.prefix_cache_hits,
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions,
+                           spec_num_drafts=self._spec_counts[0], spec_num_draft_tokens=self._spec_counts[1],
+                           spec_num_accepted_tokens=self._spec_counts[2],
+                           spec_accepted_per_pos=tuple(self._spec_per_pos))

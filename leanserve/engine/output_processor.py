@@ -35,7 +35,8 @@ def metrics_of(req: Request) -> RequestMetrics:
     """Snapshot a request's timestamps."""
     return RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                           first_token_time=req.first_token_time, last_token_time=req.last_token_time,
-                          finished_time=req.finished_time, num_generation_tokens=len(req.output_token_ids))
+                          finished_time=req.finished_time, num_generation_tokens=len(req.output_token_ids),
+                          num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
 
 
 class OutputProcessor:
@@ -70,30 +71,46 @@ class OutputProcessor:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def update(self, req: Request, new_token_ids: list[int], logprobs: TokenLogprobs | None) -> bool:
-        """Apply one step's tokens to a choice. Returns True when a stop string ended it (caller finishes it)."""
+    def update(self, req: Request, new_token_ids: list[int],
+               logprobs: TokenLogprobs | list[TokenLogprobs] | None) -> bool:
+        """Apply one step's tokens to a choice (one token, or the accepted run of a speculative step, with one
+        logprobs entry per token). Returns True when a stop string ended it (the caller finishes it).
+
+        Tokens go through the detokenizer one at a time, so a stop string completed inside a run ends the choice at
+        that token: the tokens after it are dropped here and from ``req.output_token_ids``, as if never generated.
+        """
         parent = self.parents[self.child_to_parent[req.request_id]]
         choice = parent.choices[req.request_id]
         out = choice.output
         parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
+        entries = [] if logprobs is None else [logprobs] if isinstance(logprobs, TokenLogprobs) else logprobs
+        detok = choice.detokenizer
+        hide_last = req.status is RequestStatus.FINISHED_STOPPED and not req.sampling_params.include_stop_str_in_output
+        kept = len(new_token_ids)
+        delta = []
+        stopped = False
+        if not detok.finished:
+            for i, token in enumerate(new_token_ids):
+                if hide_last and i == len(new_token_ids) - 1:
+                    break  # the EOS / stop token that ended the request never shows as text
+                delta.append(detok.update([token]))
+                if detok.finished:
+                    stopped = True
+                    kept = i + 1
+                    break
+        if kept < len(new_token_ids):
+            del req.output_token_ids[len(req.output_token_ids) - (len(new_token_ids) - kept):]
+        new_token_ids = new_token_ids[:kept]
+        out.delta_text = "".join(delta)
         out.delta_token_ids = list(new_token_ids)
         out.token_ids.extend(new_token_ids)
-        stopped = False
-        text_ids = new_token_ids
-        if req.status is RequestStatus.FINISHED_STOPPED and not req.sampling_params.include_stop_str_in_output:
-            text_ids = new_token_ids[:-1]  # the EOS / stop token that ended the request never shows as text
-        if choice.detokenizer.finished:
-            out.delta_text = ""
-        else:
-            out.delta_text = choice.detokenizer.update(text_ids)
-            stopped = choice.detokenizer.finished
-        if logprobs is not None and out.logprobs is not None:
-            entry = {tid: Logprob(lp, rank=r + 1, decoded_token=self._token_text(tid))
-                     for r, (tid, lp) in enumerate(logprobs.top)}
-            entry[logprobs.token_id] = Logprob(logprobs.logprob, rank=logprobs.rank,
-                                               decoded_token=self._token_text(logprobs.token_id))
-            out.logprobs.append(entry)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs.logprob
+        if out.logprobs is not None:
+            for lp in entries[:kept]:
+                entry = {tid: Logprob(v, rank=r + 1, decoded_token=self._token_text(tid))
+                         for r, (tid, v) in enumerate(lp.top)}
+                entry[lp.token_id] = Logprob(lp.logprob, rank=lp.rank, decoded_token=self._token_text(lp.token_id))
+                out.logprobs.append(entry)
+                out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
         return stopped
 
     def finish(self, req: Request) -> None:

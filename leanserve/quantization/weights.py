@@ -40,7 +40,9 @@ model, tests/quantization/test_quality.py).
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,12 +110,41 @@ BF16_GEMM_MAX_ROWS = 8
 INVARIANT_ROWS = 8
 
 
+@functools.cache
+def torch_gemm_max_rows() -> int:
+    """Most rows for which fp32 products run torch's GEMM rather than NumPy's BLAS gemm, measured once per process
+    on a model-sized matrix (576 x 1536): the largest of 64, 32, ..., 2 rows at which torch was faster (0 when
+    never; larger row counts are assumed to favour NumPy too). NumPy's OpenBLAS gemm is slow for few rows on some
+    CPUs while its gemv and large GEMMs stay fast. The choice depends only on a step's row count."""
+    if not _NUMPY_BLAS:
+        return 0
+    w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0))
+    wnt = w.numpy().T
+
+    def fastest(f) -> float:
+        f()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for m in (64, 32, 16, 8, 4, 2):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        xn = x.numpy()
+        if fastest(lambda x=x: F.linear(x, w)) < fastest(lambda xn=xn: xn @ wnt):
+            return m
+    return 0
+
+
 class FloatWeight:
     """A float matrix ``weight`` [out, in] (float32 or bfloat16, on any device) and its matmul.
 
     Kernel, for x [T, in] (see :class:`LinearWeight` for the arguments):
 
-    * float32 on CPU with :func:`numpy_blas_enabled` (float32 x): NumPy's BLAS: gemv at T = 1, gemm at T > 1; with
+    * float32 on CPU with :func:`numpy_blas_enabled` (float32 x): NumPy's BLAS: gemv at T = 1, gemm at T > 1 (torch's
+      GEMM up to :func:`torch_gemm_max_rows` rows, where it measured faster on this machine); with
       ``invariant_rows`` (batch-invariant mode), gemm on chunks of exactly that many rows, the last zero-padded, so
       every row goes through the same kernel whatever T is. Returns float32; the bias is added to the product.
     * bfloat16 on CPU at T > :data:`BF16_GEMM_MAX_ROWS`: ``F.linear`` in float32 (x, weight and bias widened),
@@ -134,6 +165,8 @@ class FloatWeight:
         cpu = weight.device.type == "cpu"
         self._wn = weight.numpy() if _NUMPY_BLAS and cpu and weight.dtype == torch.float32 else None
         self._wnt = None if self._wn is None else self._wn.T
+        if self._wn is not None:
+            torch_gemm_max_rows()  # measured once, when the first float32 CPU weight is built
         self._bf16_cpu = cpu and weight.dtype == torch.bfloat16
 
     def __repr__(self) -> str:
@@ -175,6 +208,8 @@ class FloatWeight:
                 y = torch.from_numpy(np.concatenate([xn[i:i + c] @ wnt for i in range(0, xn.shape[0], c)]))[:t]
             elif t == 1:
                 y = torch.from_numpy(wn @ x.numpy()[0]).unsqueeze(0)  # BLAS gemv
+            elif t <= torch_gemm_max_rows():
+                return F.linear(x, self.weight, bias)  # small batches: torch's GEMM where NumPy's is slower
             else:
                 y = torch.from_numpy(x.numpy() @ self._wnt)  # BLAS gemm
             return y if bias is None else y + bias

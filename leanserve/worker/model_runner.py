@@ -8,14 +8,18 @@ table and per-chunk prefill metadata. Logits are computed only at the positions 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
+from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from leanserve.kernels import native_ops
 from leanserve.model.attention import Q_ROWS_MULTIPLE, AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache
+from leanserve.sampling_params import SamplingParams
+from leanserve.worker.rejection_sampler import accept_one_hot
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
 
 import torch
@@ -23,10 +27,11 @@ import torch
 
 @dataclass
 class ModelRunnerOutput:
-    """Tokens sampled in one step, by request id."""
+    """Tokens sampled in one step, by request id: one token, or for a request that verified drafts the accepted
+    drafts and the token after them; logprobs (when asked) one entry per token."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
@@ -81,7 +86,7 @@ class ModelRunner:
         model: the decoder.
         kv_caches: per-layer caches from :func:`allocate_kv_cache`.
         block_size: tokens per KV block.
-        sampler: the batched sampler.
+        sampler: the batched sampler (None: a runner that only builds inputs, as the draft model's).
         seed: seeds the generators of requests that carry no seed of their own.
         use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels).
 
@@ -90,7 +95,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[KVCache, KVCache]], block_size: int,
-                 sampler: Sampler, seed: int = 0, use_native_kernels: bool = True) -> None:
+                 sampler: Sampler | None, seed: int = 0, use_native_kernels: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -136,18 +141,19 @@ class ModelRunner:
         decode_lens: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         for s in scheduled:
-            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            start, n, spec = s.request.num_computed_tokens, s.num_new_tokens, s.spec_token_ids
             q_start = len(ids)
-            ids += s.request.token_at(start, start + n)
+            ids += s.request.token_at(start, start + n - len(spec)) + spec
             table = s.block_ids
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-            if n == 1:
+            if n - len(spec) == 1:  # a decode; with drafts, each row attends as a plain decode of its position
                 if meta.prefills:
                     raise ValueError("decodes must come before prefill chunks")
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+                for j in range(n):
+                    decode_tables.append(table)
+                    decode_lens.append(start + 1 + j)
             else:
                 chunk = PrefillChunk(q_start, n, start, self._tensor(table))
                 if start:
@@ -157,7 +163,7 @@ class ModelRunner:
                     chunk.mask = k_pos[None, :] <= q_pos[:, None]  # [rows, start + n]; padding rows see all
                 meta.prefills.append(chunk)
             if s.samples:
-                logits_idx.append(len(ids) - 1)
+                logits_idx.extend(range(len(ids) - 1 - len(spec), len(ids)))
         meta.decode_kernel = self.decode_kernel
         if self.decode_kernel:
             groups = [list(range(len(decode_lens)))]
@@ -183,6 +189,30 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(pos), meta, logits_idx
 
     @torch.inference_mode()
+    def measure_decode_cost(self, rows: list[int], repeats: int = 5) -> dict[int, float]:
+        """Seconds of a decode step of each number of ``rows`` (forward + logits of every row), the fastest of
+        ``repeats`` after one warm-up (other load on the machine only adds time): the cost model of speculative
+        decoding's policy.
+
+        Every row is a one-token sequence in block 0 (its K/V written to slot 0): block 0 must hold nothing yet,
+        as at engine start (a later owner overwrites the slot before reading it).
+        """
+        params = SamplingParams(max_tokens=1)
+        times: dict[int, float] = {}
+        for n in rows:
+            fake = [ScheduledRequest(Request(f"cost-{i}", [0], params, 1), 1, [0]) for i in range(n)]
+            input_ids, positions, meta, logits_idx = self.build_inputs(fake)
+            idx = self._tensor(logits_idx)
+            samples = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+                self.model.compute_logits(hidden[idx])
+                samples.append(time.perf_counter() - t0)
+            times[n] = min(samples[1:])
+        return times
+
+    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over all scheduled tokens, then sample where a request reached its end."""
         for rid in out.finished_req_ids:
@@ -191,18 +221,39 @@ class ModelRunner:
         if not out.scheduled:
             return result
         # decodes first, shortest context first (for length groups), then prefill chunks
-        scheduled = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens))
+        scheduled = sorted(out.scheduled, key=lambda s: (s.num_new_tokens - len(s.spec_token_ids) != 1,
+                                                         s.request.num_computed_tokens))
         input_ids, positions, meta, logits_idx = self.build_inputs(scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
             return result
-        logits = self.model.compute_logits(hidden[self._tensor(logits_idx)])  # [N, vocab] float32
-        states = [SamplingState(s.request.sampling_params, s.request.prompt_token_ids,
-                                s.request.output_token_ids, self._generator(s)) for s in sampling]
+        logits = self.model.compute_logits(hidden[self._tensor(logits_idx)])  # [rows, vocab] float32
+        # one row per position that samples: a draft's row sees the drafts before it as generated tokens
+        states, saved = [], {}
+        for s in sampling:
+            req, g = s.request, self._generator(s)
+            if s.spec_token_ids and g is not None:
+                saved[req.request_id] = g.get_state()
+            for j in range(len(s.spec_token_ids) + 1):
+                outputs = req.output_token_ids + s.spec_token_ids[:j] if j else req.output_token_ids
+                states.append(SamplingState(req.sampling_params, req.prompt_token_ids, outputs, g))
         sampler_out = self.sampler(logits, states)
-        for s, token, lp in zip(sampling, sampler_out.token_ids, sampler_out.logprobs, strict=True):
-            result.sampled[s.request.request_id] = token
-            if lp is not None:
-                result.logprobs[s.request.request_id] = lp
+        row = 0
+        for s in sampling:
+            rid, k = s.request.request_id, len(s.spec_token_ids)
+            tokens = sampler_out.token_ids[row:row + k + 1]
+            lps = sampler_out.logprobs[row:row + k + 1]
+            row += k + 1
+            if k:
+                a = accept_one_hot(tokens, s.spec_token_ids)
+                tokens, lps = tokens[:a + 1], lps[:a + 1]
+                if rid in saved:  # rewind the RNG to the uniforms of the kept rows only (one per row)
+                    g = self.generators[rid]
+                    g.set_state(saved[rid])
+                    for _ in range(a + 1):
+                        torch.rand((), dtype=torch.float64, generator=g)
+            result.sampled[rid] = tokens
+            if lps[0] is not None:
+                result.logprobs[rid] = lps
         return result

@@ -277,7 +277,8 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
         has_p = top_p < 1.0
         top_p = top_p * torch.where(has_k, cum[:, -1], 1.0)  # a share of what top-k kept
         before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # mass of earlier tokens
-        n_keep = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+        # at least the most likely token (a top_p that rounds to 0 in float32 keeps one, as HF's min_tokens_to_keep)
+        n_keep = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
         cut_p = torch.where(has_p, vals.gather(1, n_keep - 1).squeeze(1), 0.0)
         min_p = torch.tensor([params[j].min_p for j in now], device=dev) * vals[:, 0]
         cut = torch.maximum(torch.maximum(cut_k, cut_p), min_p)

@@ -85,10 +85,12 @@ class FakeEngine:
     def __init__(self) -> None:
         self.set(running=0, waiting=0, kv=0.0, preemptions=0, queries=0, hits=0)
 
-    def set(self, *, running: int, waiting: int, kv: float, preemptions: int, queries: int, hits: int) -> None:
+    def set(self, *, running: int, waiting: int, kv: float, preemptions: int, queries: int, hits: int,
+            drafts: int = 0, draft_tokens: int = 0, accepted: int = 0) -> None:
         e = EngineStats(num_running=running, num_waiting=waiting, kv_cache_usage=kv, num_blocks=16,
                         num_free_blocks=16 - round(16 * kv), prefix_cache_queries=queries, prefix_cache_hits=hits,
-                        num_preemptions=preemptions)
+                        num_preemptions=preemptions, spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
+                        spec_num_accepted_tokens=accepted)
         self.stats = AsyncEngineStats(e, waiting, running, kv)
 
     def snapshot(self) -> AsyncEngineStats:
@@ -106,14 +108,16 @@ def finish(metrics: ServerMetrics, engine: FakeEngine, rid: str, queue_time: flo
 # What the bench reads (each of its tuples of sample names) -> the field of FakeEngine.set / the queue-time total
 # it must come back as. A new tuple in leanserve.bench.server_metrics must be added here.
 SHARED = {"KV_USAGE": "kv", "RUNNING": "running", "WAITING": "waiting", "PREEMPTIONS": "preemptions",
-          "PREFIX_QUERIES": "queries", "PREFIX_HITS": "hits", "QUEUE_SUM": "queue_sum", "QUEUE_COUNT": "queue_count"}
+          "PREFIX_QUERIES": "queries", "PREFIX_HITS": "hits", "QUEUE_SUM": "queue_sum", "QUEUE_COUNT": "queue_count",
+          "SPEC_DRAFTS": "drafts", "SPEC_DRAFT_TOKENS": "draft_tokens", "SPEC_ACCEPTED": "accepted"}
 
 
 def test_bench_reads_every_shared_metric_as_the_server_writes_it():
     read = {k for k, v in vars(bench).items() if k.isupper() and isinstance(v, tuple)}
     assert read == set(SHARED)
     engine = FakeEngine()
-    values = dict(running=3, waiting=5, kv=0.375, preemptions=7, queries=96, hits=40)
+    values = dict(running=3, waiting=5, kv=0.375, preemptions=7, queries=96, hits=40, drafts=9, draft_tokens=30,
+                  accepted=17)
     engine.set(**values)
     metrics = ServerMetrics("m", engine.snapshot, 512)
     for i, q in enumerate((0.25, 0.75, 1.5)):
@@ -133,7 +137,8 @@ def test_report_from_a_live_server_metrics():
     finish(metrics, engine, "old", 9.0)  # finished before the run: not in the mean queue time
 
     def during_run() -> None:
-        engine.set(running=0, waiting=1, kv=0.25, preemptions=5, queries=250, hits=110)
+        engine.set(running=0, waiting=1, kv=0.25, preemptions=5, queries=250, hits=110, drafts=12, draft_tokens=40,
+                   accepted=30)
         finish(metrics, engine, "a", 0.25)
         finish(metrics, engine, "b", 0.75)
 
@@ -159,4 +164,6 @@ def test_report_from_a_live_server_metrics():
     assert report.num_preemptions == 3
     assert report.prefix_cache_hit_rate == pytest.approx(100 / 200)
     assert report.mean_queue_time_ms == pytest.approx(500.0)
+    assert report.spec_acceptance_rate == pytest.approx(30 / 40)  # 0 before the run
+    assert report.spec_mean_acceptance_length == pytest.approx(1 + 30 / 12)
     assert report.num_scrapes == 3

@@ -54,14 +54,17 @@ def test_context_errors_name_the_field():
     assert a.admit("ab", SamplingParams(max_tokens=5)).max_tokens == 5  # 3 + 5 = 8 fits exactly
 
 
-def test_kv_capacity_is_one_check_with_one_message_with_or_without_max_tokens():
+def test_kv_capacity_names_what_to_shorten():
     a = admission(max_model_len=1000, num_blocks=4, block_size=4)  # the pool holds 16 tokens
-    with pytest.raises(KVCapacityError, match=r"needs 20 tokens of KV cache \(19 in the prompt, 1 for the "
-                       r"completion\) but the KV cache holds 16 tokens"):
+    with pytest.raises(KVCapacityError, match=r"the prompt has 19 tokens but the KV cache holds 16 tokens") as e:
         a.admit("x" * 18, SamplingParams(max_tokens=None))
+    assert e.value.param == "prompt"
     with pytest.raises(KVCapacityError, match=r"needs 17 tokens of KV cache \(7 in the prompt, 10 for the "
                        r"completion\) but the KV cache holds 16 tokens"):
         a.admit("x" * 6, SamplingParams(max_tokens=10))
+    with pytest.raises(KVCapacityError) as e:
+        a.admit("x" * 6, SamplingParams(max_tokens=10))
+    assert e.value.param == "max_tokens"
     assert a.admit("x" * 6, SamplingParams(max_tokens=9)).max_tokens == 9  # 16 tokens: exactly the pool
 
 

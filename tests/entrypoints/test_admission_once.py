@@ -76,3 +76,29 @@ def test_prompt_beyond_the_context_one_message_everywhere(llm_like_server, clien
     cmpl = http_error(client, "/v1/completions", {"prompt": long_ids, "max_tokens": 1})
     assert cmpl["message"] == str(exc.value) and cmpl["param"] == "prompt"
     assert llm_like_server.engine.scheduler.requests == {}  # nothing was queued
+
+
+def test_echo_without_generation_is_checked_like_any_request(client):
+    """``echo`` with ``max_tokens: 0`` generates nothing, but its parameters and prompt are still checked."""
+    base = {"prompt": "Hi there", "echo": True, "max_tokens": 0}
+    for extra, param in (({"n": 0}, "n"), ({"n": 1000}, "n"), ({"temperature": -1}, "temperature")):
+        assert http_error(client, "/v1/completions", {**base, **extra})["param"] == param
+    long_ids = PROMPT_IDS * (SERVER_MAX_MODEL_LEN // len(PROMPT_IDS) + 1)
+    err = http_error(client, "/v1/completions", {"prompt": long_ids, "echo": True, "max_tokens": 0})
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    r = client.post("/v1/completions", json={**base, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    import json
+
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["Hi there", "Hi there"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_errors_speak_the_field_the_client_sent(client):
+    err = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6})
+    assert err["param"] == "max_completion_tokens" and "max_tokens" not in err["message"]
+    err = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 2, "min_tokens": 5})
+    assert err["param"] == "min_tokens" and "max_completion_tokens (2)" in err["message"]

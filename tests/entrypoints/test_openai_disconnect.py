@@ -27,7 +27,8 @@ def default_server():
 @pytest.fixture(scope="module")
 def small_server():
     srv = ServerProcess(["--kv-cache-memory", str(128 << 20), "--max-model-len", "4096",
-                         "--max-num-batched-tokens", "32", "--max-waiting", "2"]).start()
+                         "--max-num-batched-tokens", "32", "--max-waiting", "2",
+                         "--shutdown-timeout", "0"]).start()  # SIGTERM without a drain (test_hardening_drain.py)
     yield srv
     srv.stop()
 

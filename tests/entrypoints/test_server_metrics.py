@@ -12,7 +12,8 @@ from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prometheus_client.parser import text_string_to_metric_families
 
 STATS = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_blocks=8, num_free_blocks=6,
-                    prefix_cache_queries=100, prefix_cache_hits=32, num_preemptions=3)
+                    prefix_cache_queries=100, prefix_cache_hits=32, num_preemptions=3, spec_num_drafts=7,
+                    spec_num_draft_tokens=20, spec_num_accepted_tokens=11, spec_accepted_per_pos=(6, 3, 2, 0))
 
 
 def snapshot() -> AsyncEngineStats:
@@ -129,3 +130,8 @@ def test_every_name_in_metric_names_is_exported_with_its_kind_and_help(monkeypat
         assert all(label in s.labels for s in family.samples), name
     assert {s.labels[names.FINISHED_REASON_LABEL] for s in families[names.REQUEST_SUCCESS].samples} == {
         "stop", "length", "abort"}
+    per_pos = {s.labels[names.POSITION_LABEL]: s.value
+               for s in families[names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS].samples}
+    assert per_pos == {"0": 6, "1": 3, "2": 2, "3": 0}
+    assert [families[n].samples[0].value for n in (names.SPEC_DECODE_NUM_DRAFTS, names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+                                                    names.SPEC_DECODE_NUM_ACCEPTED_TOKENS)] == [7, 20, 11]

@@ -252,9 +252,9 @@ def test_execute_model_sorts_gathers_logits_rows_and_samples():
     # logits only for the rows that sample: [input id, position] of short, mid, long and hit's last token
     assert hidden.tolist() == [[18, 7], [30, 9], [44, 13], [210, 10]]
     # greedy: argmax = input id + 1 (fake logits)
-    assert out.sampled == {"short": 19, "mid": 31, "long": 45, "hit": 211}
+    assert out.sampled == {"short": [19], "mid": [31], "long": [45], "hit": [211]}
     assert list(out.logprobs) == ["hit"]  # only the request that asked
-    lp = out.logprobs["hit"]
+    (lp,) = out.logprobs["hit"]  # one entry per token of the step
     assert lp.token_id == 211 and lp.rank == 1 and len(lp.top) == 2 and lp.top[0][0] == 211
     assert runner.generators == {}  # all greedy
 

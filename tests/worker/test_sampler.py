@@ -379,3 +379,12 @@ def test_logprobs_from_raw_logits():
             ranks.append(lp.rank)
         assert out.logprobs[0].rank == 1 and out.logprobs[0].top[0][0] == out.token_ids[0]
     assert max(ranks) > 1  # sampled rows sometimes pick a less likely token
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
+    from leanserve.sampling_params import SamplingParams
+    from leanserve.worker.sampler import Sampler, SamplingState
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    state = SamplingState(SamplingParams(temperature=1.0, top_p=5e-324), [], [], torch.Generator().manual_seed(0))
+    assert Sampler(frozenset()).__call__(logits, [state]).token_ids == [1]

@@ -2,8 +2,13 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``,
 ``POST /detokenize``, ``GET /health``, ``GET /metrics``. Every error is an OpenAI error envelope
-``{"error": {"message", "type", "param", "code"}}`` (never HTML); with an API key, every endpoint but
+``{"error": {"message", "type", "param", "code"}}`` (never HTML); with API keys (tenants), every endpoint but
 ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
+
+Hardening (see ``gate.py``, ``limits.py``, ``tenants.py``, ``openapi.py``): bodies are bounded in size, nesting
+and list lengths; tenants have their own keys and limits; ``/health`` fails while the engine loop is stalled or
+dead and while draining; SIGTERM drains (new requests 503, in-flight ones get up to ``--shutdown-timeout`` s to
+finish, the rest are aborted, exit 0); a second signal ends at once; an engine that dies makes the server exit 1.
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -20,14 +25,22 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from leanserve.config import EngineConfig, ServerConfig
-from leanserve.engine.async_engine import AsyncEngine
+from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.entrypoints.openai.metrics import ServerMetrics
+from leanserve.entrypoints.openai import openapi
+from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, ServerGate
+from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
+from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
 from leanserve.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -43,6 +56,7 @@ from leanserve.entrypoints.openai.serving_common import (
     to_openai_error,
 )
 from leanserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from leanserve.entrypoints.openai.tenants import TENANT_KEY, TenantLimits, TenantRegistry
 from leanserve.errors import InvalidParameterError
 
 import uvicorn
@@ -72,38 +86,61 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
+              tenants: TenantRegistry | None = None, limits: RequestLimits | None = None,
+              stall_timeout: float = 10.0) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``.
+
+    Args:
+        api_key: one key for everyone (tenant ``default``); ignored when ``tenants`` is given.
+        tenants: the tenants (keys, limits); None and no ``api_key``: no authentication.
+        limits: bounds on request bodies (default :class:`RequestLimits`).
+        stall_timeout: ``/health`` fails when the engine loop has been busy this many seconds without advancing.
 
     The app has its own metrics registry (registered as an observer of ``engine``); its lifespan shuts the
     engine down when the server stops.
     """
     metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len)
     engine.add_observer(metrics)
+    if tenants is None and api_key:
+        tenants = TenantRegistry([("default", api_key, TenantLimits())])
+    if tenants is not None:
+        tenants.metrics = TenantMetrics(metrics.registry, served_model_name, [t.name for t in tenants.tenants])
+        engine.add_observer(tenants)
+    limits = limits or RequestLimits()
     chat = OpenAIServingChat(engine, served_model_name)
     completion = OpenAIServingCompletion(engine, served_model_name)
     tokenizer = engine.tokenizer
-    key = api_key.encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="leanserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="leanserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of leanserve (plus vLLM's extension fields, /tokenize and "
+                  "/detokenize). Errors are OpenAI error envelopes.")
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.tenants = tenants
+    app.state.limits = limits
+    app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
+    openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
 
     async def require_api_key(request: Request) -> None:
-        if key is None:
+        if tenants is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key):
+        if TENANT_KEY in request.scope:  # resolved by the gate
+            tenant = request.scope[TENANT_KEY]
+        else:
+            tenant = tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
             raise OpenAIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                               "invalid_request_error", None, "invalid_api_key")
 
     auth = [Depends(require_api_key)]
+    generation_errors = (400, 401, 404, 408, 413, 429, 500, 503)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -123,35 +160,55 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         err = OpenAIError(exc.status_code, str(exc.detail), kind, None, None, dict(exc.headers or {}) or None)
         return _error_response(err)
 
+    @app.exception_handler(LimitExceeded)
+    async def _limit_error(request: Request, exc: LimitExceeded) -> JSONResponse:
+        return _error_response(to_openai_error(exc))
+
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return _error_response(to_openai_error(exc))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine loop is alive and the server accepts requests (empty body)",
+              "content": {}},
+        503: {"model": ErrorResponse, "description": "the engine is dead, stalled, or the server is draining"}})
     async def health() -> Response:
+        if engine.draining and engine.is_running:
+            return _error_response(OpenAIError(503, SHUTTING_DOWN, "server_error", None, "server_shutting_down",
+                                               {"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
         if not engine.is_running:
             return _error_response(OpenAIError(503, "the engine is not running", "server_error"))
+        stalled = engine.stalled_for()
+        if stalled > stall_timeout:
+            return _error_response(OpenAIError(
+                503, f"the engine loop has not advanced for {stalled:.1f} s (limit {stall_timeout:g} s)",
+                "server_error", None, "engine_stalled"))
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=openapi.responses(ModelList, errors=(401, 503)))
     async def list_models() -> JSONResponse:
         card = ModelCard(id=served_model_name, root=engine.engine.model_path, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=openapi.request_body(ChatCompletionRequest),
+              responses=openapi.responses(ChatCompletionResponse, ChatCompletionChunk, generation_errors))
     async def chat_completions(raw_request: Request) -> Response:
         return await chat.create(await parse_body(raw_request, ChatCompletionRequest), raw_request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=openapi.request_body(CompletionRequest),
+              responses=openapi.responses(CompletionResponse, CompletionStreamResponse, generation_errors))
     async def completions(raw_request: Request) -> Response:
         return await completion.create(await parse_body(raw_request, CompletionRequest), raw_request)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth, openapi_extra=openapi.request_body(TokenizeRequest),
+              responses=openapi.responses(TokenizeResponse, errors=(400, 401, 404, 413, 503)))
     async def tokenize(raw_request: Request) -> JSONResponse:
         req = await parse_body(raw_request, TokenizeRequest)
         check_model(req.model, served_model_name)
@@ -171,7 +228,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         resp = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
         return JSONResponse(resp.model_dump(mode="json", exclude_none=True))
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, openapi_extra=openapi.request_body(DetokenizeRequest),
+              responses=openapi.responses(DetokenizeResponse, errors=(400, 401, 404, 413, 503)))
     async def detokenize(raw_request: Request) -> JSONResponse:
         req = await parse_body(raw_request, DetokenizeRequest)
         check_model(req.model, served_model_name)
@@ -188,7 +246,7 @@ def default_served_model_name(model_path: str) -> str:
     return name[:-5] if name.lower().endswith(".gguf") else name
 
 
-def _banner(host: str, port: int, model: str, max_model_len: int, api_key: str | None) -> str:
+def _banner(host: str, port: int, model: str, max_model_len: int, api_key: bool) -> str:
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     body = shlex.quote(f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
@@ -200,14 +258,27 @@ def _banner(host: str, port: int, model: str, max_model_len: int, api_key: str |
 
 
 class LeanserveServer(uvicorn.Server):
-    """uvicorn's server, printing the URL once listening; on Ctrl-C/SIGTERM it aborts the in-flight requests
-    (they end with finish_reason "abort") so the graceful shutdown is quick, then exits with status 0."""
+    """uvicorn's server, printing the URL once listening.
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, banner: Callable[[int], str]) -> None:
+    - SIGTERM (with ``shutdown_timeout`` > 0) drains: the engine refuses new requests (the gate answers 503 +
+      Retry-After, ``/health`` 503) while the server keeps listening; the in-flight requests get up to
+      ``shutdown_timeout`` seconds to finish, then the rest are aborted (finish_reason "abort") and the server
+      stops with status 0.
+    - Ctrl-C (SIGINT), a SIGTERM with ``shutdown_timeout`` 0, or any second signal during a drain ends at once:
+      the in-flight requests are aborted so the graceful shutdown is quick; exit status 0.
+    - An engine thread that died (a failure it could not isolate) stops the server with :attr:`exit_code` 1.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, banner: Callable[[int], str],
+                 shutdown_timeout: float = 0.0) -> None:
         super().__init__(config)
         self._engine = engine
         self._banner = banner
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.shutdown_timeout = shutdown_timeout
+        self.draining = False
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -216,22 +287,59 @@ class LeanserveServer(uvicorn.Server):
             print(self._banner(self.servers[0].sockets[0].getsockname()[1]), flush=True)
 
     def handle_exit(self, sig, frame) -> None:
+        loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
+        if sig == signal.SIGTERM and not self.draining and not self.should_exit and self.shutdown_timeout > 0 \
+                and loop is not None:
+            self.draining = True
+            loop.call_soon_threadsafe(self._start_drain)
+            return
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # uvicorn would re-raise the signal after shutting down; exit 0 instead
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._engine.begin_shutdown)
+        if loop is not None:
+            loop.call_soon_threadsafe(self._engine.begin_shutdown)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        engine, timeout = self._engine, self.shutdown_timeout
+        engine.begin_drain()
+        n = engine.num_in_flight
+        print(f"leanserve: SIGTERM: draining {n} in-flight request(s), up to {timeout:g} s (new requests get 503; "
+              "a second signal ends at once)", flush=True)
+        deadline = time.monotonic() + timeout
+        while engine.num_in_flight and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        left = engine.num_in_flight
+        if left and not self.should_exit:
+            print(f"leanserve: shutdown timeout: aborting {left} request(s)", flush=True)
+        engine.begin_shutdown()
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        dead = self._engine.dead
+        if dead is not None and not self.should_exit:
+            logger.error("the engine thread failed (%r); stopping the server with exit status 1", dead)
+            print(f"leanserve: the engine failed ({dead!r}); exiting with status 1", file=sys.stderr, flush=True)
+            self.exit_code = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the engine and serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, or 2 when the address
-    cannot be bound (checked before the model loads).
+    """Load the engine and serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, 2 when the address
+    cannot be bound (checked before the model loads), or 1 when the engine thread died.
 
     Raises:
-        InvalidParameterError, ModelLoadError: from loading the engine.
+        InvalidParameterError, ModelLoadError: from loading the engine, or a bad ``--api-keys-file``.
     """
     sc = server_config
     logging.basicConfig(level=getattr(logging, sc.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
+    defaults = TenantLimits(sc.tenant_max_concurrent, sc.tenant_requests_per_minute, sc.tenant_tokens_per_minute)
+    tenants = TenantRegistry.from_config(sc.api_keys, sc.api_keys_file, defaults)  # before the model loads
+    if tenants is not None:
+        logger.info("tenants: %s", ", ".join(t.name for t in tenants.tenants))
     try:  # before the model loads, so that a taken port or a bad address fails at once
         family = socket.getaddrinfo(sc.host, sc.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((sc.host, sc.port), family=family)
@@ -239,16 +347,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         print(f"error: cannot listen on {sc.host}:{sc.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     llm_engine = LLMEngine(engine_config)
-    engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting)
+    engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout)
     name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
-    app = build_app(engine, name, sc.api_key)
+    app = build_app(engine, name, tenants=tenants, limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
+                    stall_timeout=sc.engine_stall_timeout)
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
                             lifespan="on")
     server = LeanserveServer(config, engine,
-                             lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, sc.api_key))
+                             lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, tenants is not None),
+                             shutdown_timeout=sc.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
     print("leanserve: server stopped", flush=True)
-    return 0
+    return server.exit_code

@@ -17,7 +17,7 @@ from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
 from leanserve.outputs import RequestOutput
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -112,10 +112,18 @@ class _EngineCollector(Collector):
             (names.NUM_PREEMPTIONS, e.num_preemptions),
             (names.PREFIX_CACHE_QUERIES, e.prefix_cache_queries),
             (names.PREFIX_CACHE_HITS, e.prefix_cache_hits),
+            (names.SPEC_DECODE_NUM_DRAFTS, e.spec_num_drafts),
+            (names.SPEC_DECODE_NUM_DRAFT_TOKENS, e.spec_num_draft_tokens),
+            (names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, e.spec_num_accepted_tokens),
         ):
             c = CounterMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL])
             c.add_metric(labels, value)
             yield c
+        name = names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS
+        c = CounterMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL, names.POSITION_LABEL])
+        for pos, value in enumerate(e.spec_accepted_per_pos):
+            c.add_metric([*labels, str(pos)], value)
+        yield c
 
 
 class _GpuCollector(Collector):
@@ -221,3 +229,48 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+# Per-tenant metrics (label ``tenant``: the tenant's name, never its key).
+TENANT_LABEL = "tenant"
+TENANT_REQUESTS = "leanserve:tenant_requests_total"
+TENANT_RATE_LIMITED = "leanserve:tenant_rate_limited_total"
+TENANT_PROMPT_TOKENS = "leanserve:tenant_prompt_tokens_total"
+TENANT_GENERATION_TOKENS = "leanserve:tenant_generation_tokens_total"
+TENANT_IN_FLIGHT = "leanserve:tenant_requests_in_flight"
+
+
+class TenantMetrics:
+    """Counters per tenant in ``registry`` (the server's): generation requests admitted, refused with 429 (label
+    ``limit``), prompt and generated tokens, and requests in flight."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, tenant_names: list[str]) -> None:
+        labels = [names.MODEL_NAME_LABEL, TENANT_LABEL]
+        self._model = model_name
+        self._requests = Counter(TENANT_REQUESTS, "Generation requests admitted, per tenant.", labels,
+                                 registry=registry)
+        self._limited = Counter(TENANT_RATE_LIMITED, "Requests refused with 429 by a tenant limit.",
+                                [*labels, "limit"], registry=registry)
+        self._prompt = Counter(TENANT_PROMPT_TOKENS, "Prompt tokens of finished requests, per tenant.", labels,
+                               registry=registry)
+        self._generation = Counter(TENANT_GENERATION_TOKENS, "Generated tokens of finished requests, per tenant.",
+                                   labels, registry=registry)
+        self._in_flight = Gauge(TENANT_IN_FLIGHT, "Generation requests in flight, per tenant.", labels,
+                                registry=registry)
+        for t in tenant_names:  # every tenant shows from the start, at 0
+            for m in (self._requests, self._prompt, self._generation, self._in_flight):
+                m.labels(model_name, t)
+
+    def request_admitted(self, tenant: str) -> None:
+        self._requests.labels(self._model, tenant).inc()
+        self._in_flight.labels(self._model, tenant).inc()
+
+    def request_done(self, tenant: str) -> None:
+        self._in_flight.labels(self._model, tenant).dec()
+
+    def rate_limited(self, tenant: str, limit: str) -> None:
+        self._limited.labels(self._model, tenant, limit).inc()
+
+    def tokens(self, tenant: str, prompt: int, generated: int) -> None:
+        self._prompt.labels(self._model, tenant).inc(prompt)
+        self._generation.labels(self._model, tenant).inc(generated)

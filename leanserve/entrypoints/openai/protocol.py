@@ -106,6 +106,7 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # leanserve: False turns the server's speculative decoding off for this request
     priority: int = 0
 
 
@@ -178,6 +179,8 @@ class Timings(ResponseModel):
     predicted_per_token_ms: float | None = None
     predicted_per_second: float | None = None  # decode speed of one sequence, tokens after the first
     e2e_ms: float | None = None
+    draft_n: int = 0  # speculative decoding: draft tokens verified
+    draft_n_accepted: int = 0  # of which accepted (llama.cpp's names)
 
 
 class ModelCard(ResponseModel):

@@ -39,6 +39,7 @@ from leanserve.entrypoints.openai.serving_common import (
     check_model,
     clamp_logprob,
     new_id,
+    owner_of,
     run_unless_disconnected,
     sampling_params,
     sse,
@@ -47,7 +48,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
 
@@ -95,7 +96,7 @@ class OpenAIServingChat:
         prompt_ids = self.render_prompt(req)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
-        (stream,) = await add_all(self.engine, request_id, admitted, arrival, req.priority)
+        (stream,) = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
         created = int(time.time())
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
@@ -113,6 +114,8 @@ class OpenAIServingChat:
             final = await run_unless_disconnected(raw_request, collect(), stream.abort)
         except ClientDisconnected:
             return Response(status_code=499)
+        except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
+            raise to_openai_error(exc) from None
         return JSONResponse(self._response(final, request_id, created, top_n).model_dump(mode="json"))
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,16 +13,28 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from leanserve.engine.admission import AdmittedRequest
-from leanserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from leanserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestTimeoutError,
+    StepFailedError,
+)
+from leanserve.entrypoints.openai import limits as request_limits
 from leanserve.entrypoints.openai.metrics import summarize
 from leanserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
     SamplingFields,
     Timings,
+    TokenizeRequest,
     UsageInfo,
 )
+from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
 from leanserve.sampling_params import SamplingParams
@@ -30,6 +43,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+MIN_TOP_P = 1e-6  # smaller positive top_p values are served as this one (the same single most likely token)
 ARRIVAL_KEY = "leanserve.arrival_time"  # ASGI scope key set by the arrival-time middleware (time.monotonic)
 M = TypeVar("M", bound=BaseModel)
 
@@ -56,24 +70,40 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
+def _api_terms(message: str, param_names: dict[str, str] | None) -> str:
+    """``message`` with the engine's field names (those with an underscore, e.g. ``max_tokens``) renamed to the
+    API fields the client sent (``max_completion_tokens``)."""
+    for engine_name, api_name in (param_names or {}).items():
+        if "_" in engine_name and engine_name != api_name:
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
+    return message
+
+
 def to_openai_error(exc: BaseException, param_names: dict[str, str] | None = None) -> OpenAIError:
     """Map leanserve's typed errors to HTTP errors. ``param_names`` renames SamplingParams fields to API fields."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, InvalidParameterError):
         param = (param_names or {}).get(exc.param, exc.param)
-        message = str(exc)
-        if param != exc.param and message.startswith(exc.param + " "):  # "max_tokens must be ..." in API terms
-            message = param + message[len(exc.param):]
         code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
-        return bad_request(message, param, code)
+        return bad_request(_api_terms(str(exc), param_names), param, code)
     if isinstance(exc, KVCapacityError):
-        return bad_request(f"request exceeds the KV cache capacity: {exc}", "max_tokens", "kv_cache_capacity_exceeded")
+        param = (param_names or {}).get(exc.param, exc.param)
+        return bad_request(f"request exceeds the KV cache capacity: {_api_terms(str(exc), param_names)}", param,
+                           "kv_cache_capacity_exceeded")
     if isinstance(exc, QueueFullError):
         return OpenAIError(503, str(exc), "server_error", None, "server_overloaded",
                            headers={"Retry-After": str(max(1, round(exc.retry_after)))})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc), "server_error", None, "engine_dead")
+    if isinstance(exc, StepFailedError):
+        return OpenAIError(500, str(exc), "server_error", None, "engine_step_failed")
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(408, str(exc), "timeout_error", None, "request_timeout")
+    if isinstance(exc, request_limits.LimitExceeded):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return OpenAIError(exc.status, exc.message, kind, exc.param, exc.code,
+                           {"Connection": "close"} if exc.status == 413 else None)
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     return OpenAIError(500, f"internal error: {exc!r}", "server_error")
@@ -88,15 +118,28 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), loc[0] if loc else None)
 
 
+_LIMIT_KINDS = {ChatCompletionRequest: "chat", CompletionRequest: "completion", TokenizeRequest: "tokenize",
+                DetokenizeRequest: "detokenize"}
+
+
 async def parse_body(raw_request: Request, model: type[M]) -> M:
-    """The request body validated as ``model``. Raises OpenAIError 400 for bad JSON or fields."""
-    body = await raw_request.body()
+    """The request body validated as ``model``, within the app's :class:`~.limits.RequestLimits`
+    (``app.state.limits``). Raises OpenAIError: 400 for bad JSON or fields, nesting too deep or a list too long;
+    413 for a body over the size limit."""
+    limits = getattr(raw_request.app.state, "limits", None) or request_limits.RequestLimits()
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
+        body = await raw_request.body()
+        try:
+            data = request_limits.loads(body, limits)
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an integer of > 4300 digits
+            raise bad_request(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the body must be a JSON object")
+        kind = _LIMIT_KINDS.get(model)
+        if kind is not None:
+            request_limits.check_lists(data, kind, limits)
+    except request_limits.LimitExceeded as exc:
+        raise to_openai_error(exc) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -132,11 +175,17 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "speculative": req.speculative,
     }
     for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    top_p = kwargs.get("top_p")
+    if isinstance(top_p, float) and 0.0 < top_p < MIN_TOP_P:
+        # Any top_p below the most likely token's probability (>= 1/vocab) keeps just that token; below float32's
+        # range it would round to 0 in the sampler, which then kept no token (the step failed, a 500).
+        kwargs["top_p"] = MIN_TOP_P
     try:
         return SamplingParams(**kwargs)
     except InvalidParameterError as exc:
@@ -169,7 +218,9 @@ def timings_of(outs: list[RequestOutput]) -> Timings | None:
                    predicted_n=sum(len(c.token_ids) for o in outs for c in o.outputs),
                    queue_ms=ms(s.queue_time), prompt_ms=ms(s.prefill_time), ttft_ms=ms(s.ttft),
                    decode_ms=ms(s.decode_time), predicted_per_token_ms=ms(s.tpot),
-                   predicted_per_second=None if not s.tpot else round(1.0 / s.tpot, 3), e2e_ms=ms(s.e2e_latency))
+                   predicted_per_second=None if not s.tpot else round(1.0 / s.tpot, 3), e2e_ms=ms(s.e2e_latency),
+                   draft_n=sum(c.metrics.num_draft_tokens for o in outs for c in o.outputs if c.metrics),
+                   draft_n_accepted=sum(c.metrics.num_accepted_tokens for o in outs for c in o.outputs if c.metrics))
 
 
 def sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
@@ -281,24 +332,37 @@ def admit_all(engine: AsyncEngine, prompts: list[str | list[int]], params: Sampl
         raise to_openai_error(exc, param_names) from None
 
 
+def owner_of(raw_request: Request) -> tuple[Any, Any] | None:
+    """(tenant registry, tenant) of an authenticated request, for :func:`add_all`; None without tenants."""
+    tenant = raw_request.scope.get(TENANT_KEY)
+    registry = getattr(raw_request.app.state, "tenants", None)
+    return (registry, tenant) if tenant is not None and registry is not None else None
+
+
 async def add_all(engine: AsyncEngine, request_id: str, admitted: list[AdmittedRequest], arrival: float,
-                  priority: int) -> list[Any]:
+                  priority: int, owner: tuple[Any, Any] | None = None) -> list[Any]:
     """Queue admitted requests (ids ``request_id``, or ``request_id-i`` for several) and wait until the engine
-    accepted them all; on any failure abort those queued.
+    accepted them all; on any failure abort those queued. With ``owner`` (:func:`owner_of`), their tokens are
+    charged to that tenant when they finish.
 
     Raises:
-        OpenAIError: 503 when the queue is full or the engine is down.
+        OpenAIError: 503 when the queue is full or the engine is down; 408 when the request timeout passed first.
     """
     streams = []
+    rids = [request_id if len(admitted) == 1 else f"{request_id}-{i}" for i in range(len(admitted))]
     try:
-        for i, request in enumerate(admitted):
-            rid = request_id if len(admitted) == 1 else f"{request_id}-{i}"
+        for rid, request in zip(rids, admitted, strict=True):
+            if owner is not None:
+                owner[0].track(rid, owner[1])
             streams.append(engine.submit(rid, request, arrival_time=arrival, priority=priority))
         for s in streams:
             await s.accepted()
     except BaseException as exc:
         for s in streams:
             s.abort()
+        if owner is not None:
+            for rid in rids:
+                owner[0].untrack(rid)
         if isinstance(exc, Exception):
             raise to_openai_error(exc) from None
         raise

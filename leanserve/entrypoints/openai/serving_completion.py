@@ -32,6 +32,7 @@ from leanserve.entrypoints.openai.serving_common import (
     check_model,
     clamp_logprob,
     new_id,
+    owner_of,
     run_unless_disconnected,
     sampling_params,
     sse,
@@ -40,7 +41,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 
 from fastapi import Request
@@ -77,7 +78,7 @@ class OpenAIServingCompletion:
         params = sampling_params(req, req.max_tokens, req.logprobs)
         admitted = admit_all(self.engine, prompts, params)
         request_id = new_id("cmpl")
-        streams = await add_all(self.engine, request_id, admitted, arrival, req.priority)
+        streams = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
         created = int(time.time())
         echo = [self.tokenizer.decode(a.prompt_token_ids) if req.echo else "" for a in admitted]
         merged = MultiStream(streams)
@@ -97,13 +98,17 @@ class OpenAIServingCompletion:
             finals = await run_unless_disconnected(raw_request, collect(), lambda: [s.abort() for s in streams])
         except ClientDisconnected:
             return Response(status_code=499)
+        except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
+            raise to_openai_error(exc) from None
         return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo)
                             .model_dump(mode="json"))
 
     def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
-        """``echo`` with ``max_tokens: 0``: the prompts, tokenized as admission does, and nothing generated."""
+        """``echo`` with ``max_tokens: 0``: the prompts, checked as admission checks them (each must fit the
+        context) with the request's other parameters, and nothing generated; streamed when asked."""
+        sampling_params(req, None, None)  # n, temperature, ... are checked as for any request
         try:
-            prompts = [self.engine.tokenize_prompt(p) for p in prompts]
+            prompts = [self.engine.check_prompt(p) for p in prompts]
         except InvalidParameterError as exc:
             raise to_openai_error(exc) from None
         choices = []
@@ -112,9 +117,22 @@ class OpenAIServingCompletion:
             for j in range(req.n):
                 choices.append(CompletionChoice(index=i * req.n + j, text=text, finish_reason="length"))
         usage = usage_of(sum(len(ids) for ids in prompts), 0, 0)
-        resp = CompletionResponse(id=new_id("cmpl"), created=int(time.time()), model=self.model_name,
-                                  choices=choices, usage=usage)
-        return JSONResponse(resp.model_dump(mode="json"))
+        request_id, created = new_id("cmpl"), int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def body() -> AsyncIterator[str]:
+                for c in choices:
+                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                       choices=[c]), exclude={"usage", "timings"})
+                if include_usage:
+                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                       choices=[], usage=usage), exclude={"timings"})
+                yield SSE_DONE
+
+            return SSEResponse(body(), on_close=lambda: None)
+        resp = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(resp.model_dump(mode="json", exclude_none=False, exclude={"timings"}))
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None,
                   offset: int) -> CompletionLogprobs | None:

@@ -1,0 +1,107 @@
+"""Drafts from a second, cheaper model with the target's vocabulary (Leviathan et al. 2023; vLLM's
+``draft_model`` method), e.g. the target's own GGUF file at 4 bits drafting for the unquantized target.
+
+The draft model's KV cache has the target's block layout and is indexed by the target's block tables, so it is
+allocated, freed, preempted and shared with the request's own blocks, with no bookkeeping of its own beyond how
+far each request's draft KV is valid. Its drafts are greedy (argmax), so the draft distribution q is one-hot and
+the runner's one-hot acceptance keeps the target's distribution exactly (see
+:mod:`leanserve.worker.rejection_sampler`).
+
+Per step, for the requests the scheduler gave lookahead slots: the draft first catches up on the tokens its KV
+lacks (the pending token and the drafts accepted in the last step; the whole prompt the first time or after a
+preemption), which yields the first draft, then runs one batched decode per further draft. A draft written at a
+position the target rejects is overwritten later: only positions below the target's ``num_computed_tokens`` are
+trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from leanserve.core.request import Request
+from leanserve.core.scheduler import ScheduledRequest
+from leanserve.model.llama import LlamaModel
+from leanserve.worker.model_runner import ModelRunner
+
+import torch
+
+# A catch-up of more tokens than this runs as a prefill chunk; fewer run as decode rows of consecutive positions.
+CATCH_UP_DECODE_ROWS = 8
+
+
+@dataclass
+class _DraftView:
+    """What :meth:`ModelRunner.build_inputs` reads of a request: its tokens (real ones, then drafts) and how many
+    of them have draft KV."""
+
+    request_id: str
+    tokens: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+class DraftModelProposer:
+    """Greedy drafts of ``model`` over its own KV caches (laid out like the target's).
+
+    Args:
+        model: the draft decoder (same vocabulary as the target).
+        kv_caches: its per-layer caches, ``[num_blocks, block_size, ...]`` with the target's num_blocks.
+        block_size: tokens per block (the target's).
+        use_native_kernels: use the compiled decode attention where it applies.
+    """
+
+    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int, use_native_kernels: bool = True) -> None:
+        self.model = model
+        self.runner = ModelRunner(model, kv_caches, block_size, sampler=None, use_native_kernels=use_native_kernels)
+        self._valid: dict[str, tuple[int, int]] = {}  # request id -> (its num_preemptions, draft KV positions)
+
+    def reset(self, request_id: str) -> None:
+        """Forget a request (it ended)."""
+        self._valid.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[Request, list[int], int]]) -> list[list[int]]:
+        """``k`` greedy drafts for each (request, its block table, k) after its pending token, in ``items`` order.
+
+        The request's blocks must hold slots up to position ``num_tokens - 1 + k`` (the scheduler's lookahead).
+        """
+        views = []
+        for req, _, _ in items:
+            seen = self._valid.get(req.request_id)
+            valid = 0 if seen is None or seen[0] != req.num_preemptions else min(seen[1], req.num_computed_tokens)
+            views.append(_DraftView(req.request_id, req.all_token_ids, valid))
+        drafts: list[list[int]] = [[] for _ in items]
+        active = [i for i, (_, _, k) in enumerate(items) if k > 0]
+        while active:
+            batch = []
+            for i in active:
+                v, blocks = views[i], items[i][1]
+                m = v.num_tokens - v.num_computed_tokens
+                if m <= CATCH_UP_DECODE_ROWS:  # one decode row per position
+                    tail = v.tokens[v.num_computed_tokens + 1:]
+                    batch.append((i, ScheduledRequest(v, m, blocks, tail)))
+                else:
+                    batch.append((i, ScheduledRequest(v, m, blocks)))
+            batch.sort(key=lambda x: x[1].num_new_tokens - len(x[1].spec_token_ids) != 1)  # decodes first
+            input_ids, positions, meta, _ = self.runner.build_inputs([s for _, s in batch])
+            hidden = self.model.forward(input_ids, positions, self.runner.kv_caches, meta)
+            last, row = [], 0
+            for _, s in batch:
+                row += s.num_new_tokens
+                last.append(row - 1)
+            logits = self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
+            for (i, _), token in zip(batch, logits.argmax(dim=-1).tolist(), strict=True):
+                v = views[i]
+                v.num_computed_tokens = v.num_tokens
+                v.tokens.append(token)
+                drafts[i].append(token)
+            active = [i for i in active if len(drafts[i]) < items[i][2]]
+        for (req, _, _), v in zip(items, views, strict=True):
+            self._valid[req.request_id] = (req.num_preemptions, v.num_computed_tokens)
+        return drafts

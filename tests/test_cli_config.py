@@ -1,0 +1,46 @@
+"""The command line is derived from the config dataclasses: every field has its flag, values reach the right field,
+and a refused value is one line naming the flag, before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from leanserve.cli import build_parser, engine_config, main
+from leanserve.config import EngineConfig, ServerConfig, config_from_args, flag_of
+
+import pytest
+
+
+def test_every_config_field_has_a_flag_on_the_commands_that_take_it():
+    serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for cls in (EngineConfig, ServerConfig):
+        for f in fields(cls):
+            assert flag_of(cls, f.name) in serve_help, f.name
+
+
+def test_request_seed_and_engine_seed_are_separate():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--seed", "5", "--engine-seed", "7"])
+    assert args.seed == 5 and engine_config(args).seed == 7
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.seed is None and engine_config(args).seed == 0
+
+
+def test_flags_reach_their_fields():
+    args = build_parser().parse_args(["serve", "--threads", "2", "-q", "int8", "--no-enable-prefix-caching", "--port",
+                                      "0", "--speculative-config", '{"num_speculative_tokens": 3}'])
+    cfg, server = engine_config(args), config_from_args(ServerConfig, args)
+    assert (cfg.num_threads, cfg.quantization, cfg.enable_prefix_caching) == (2, "int8", False)
+    assert cfg.speculative_config.num_speculative_tokens == 3 and server.port == 0
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(["serve", "--threads", "0"], "--threads"),
+                                            (["serve", "--port", "70000"], "--port"),
+                                            (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
+                                            (["generate", "--prompt", "x", "--kv-cache-memory", "-5"],
+                                             "--kv-cache-memory"),
+                                            (["serve", "--speculative-config", '{"method": "eagle"}'],
+                                             "--speculative-config")])
+def test_a_refused_value_is_one_line_naming_the_flag(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag}: ") and "\n" not in err
