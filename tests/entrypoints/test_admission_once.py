@@ -102,3 +102,16 @@ def test_errors_speak_the_field_the_client_sent(client):
     assert err["param"] == "max_completion_tokens" and "max_tokens" not in err["message"]
     err = http_error(client, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 2, "min_tokens": 5})
     assert err["param"] == "min_tokens" and "max_completion_tokens (2)" in err["message"]
+
+
+def test_a_request_larger_than_the_waiting_queue_is_a_400_not_a_retry(client):
+    # the shared server queues 1024 sequences: 9 prompts x n=128 can never be queued whole
+    err = http_error(client, "/v1/completions", {"prompt": ["a"] * 9, "max_tokens": 1, "n": 128})
+    assert err["param"] == "n" and "--max-waiting" in err["message"]
+
+
+def test_raw_surrogate_bytes_are_a_400(client):
+    body = b'{"model": "\xed\xa0\x80", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200  # the connection still serves

@@ -63,8 +63,11 @@ def loads(body: bytes, limits: RequestLimits) -> Any:
         json.JSONDecodeError, UnicodeDecodeError, ValueError: not JSON (the caller's "not valid JSON" 400).
         LimitExceeded: nested too deep, or a lone surrogate.
     """
+    # strict UTF-8 first: json.loads(bytes) would also take UTF-16/32 and UTF-8-encoded surrogates
+    # ("surrogatepass"), which no later step can encode
+    text = body.decode("utf-8") if isinstance(body, bytes | bytearray) else body
     try:
-        data = json.loads(body)
+        data = json.loads(text)
     except RecursionError:
         raise _too_deep(limits) from None
     # Arrays and objects can only nest as deep as there are brackets: a cheap bound before walking.

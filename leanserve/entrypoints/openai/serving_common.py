@@ -346,8 +346,14 @@ async def add_all(engine: AsyncEngine, request_id: str, admitted: list[AdmittedR
     charged to that tenant when they finish.
 
     Raises:
-        OpenAIError: 503 when the queue is full or the engine is down; 408 when the request timeout passed first.
+        OpenAIError: 400 when the request has more sequences (prompts x n) than the waiting queue holds (it could
+            never be queued whole); 503 when the queue is full or the engine is down; 408 when the request timeout
+            passed first.
     """
+    total = sum(a.params.n for a in admitted)
+    if engine.max_waiting is not None and total > engine.max_waiting:
+        raise bad_request(f"the request has {total} sequences (prompts x n) but the server queues at most "
+                          f"{engine.max_waiting} (--max-waiting)", "n")
     streams = []
     rids = [request_id if len(admitted) == 1 else f"{request_id}-{i}" for i in range(len(admitted))]
     try:
