@@ -125,9 +125,12 @@ class SpeculationPolicy:
     def plan_draft_model(self, num_decodes: int, candidates: list[str], max_k: int) -> int:
         """Drafts per candidate for a draft model, the same k for all (its draft steps are batched): the k in
         0..max_k with the most expected tokens per second, counting the target's verification rows and k draft
-        steps over the candidates."""
+        steps over the candidates; ``max_k`` while any candidate has no acceptance measured yet."""
         if self.cost is None or self.draft_cost is None or not candidates:
             return max_k if candidates else 0
+        if any(rid not in self._acceptance for rid in candidates):
+            return max_k  # a request not yet measured: verify a full run once, so its rate is learnt (else the prior
+            # alone could keep k at 0 forever)
         rates = [self.acceptance_rate(rid) for rid in candidates]
         best_k, best = 0, num_decodes / self.cost(num_decodes)
         for k in range(1, max_k + 1):

@@ -45,6 +45,8 @@ def test_draft_model_k_weighs_both_models_steps():
         policy.observe("r", 4, 4)
     assert policy.plan_draft_model(1, ["r"], 4) == 4  # cheap, accurate drafts: all of them
     slow_draft = SpeculationPolicy(target, draft_cost=StepCostModel({1: 20.0, 64: 20.0}))
+    assert slow_draft.plan_draft_model(1, ["r"], 4) == 4  # not measured yet: one full run to learn its rate
+    slow_draft.observe("r", 4, 4)
     assert slow_draft.plan_draft_model(1, ["r"], 4) == 0  # a draft step costs more than a target step
     assert SpeculationPolicy(None).plan_draft_model(2, ["a"], 3) == 3 and SpeculationPolicy(None).plan_draft_model(
         2, [], 3) == 0
