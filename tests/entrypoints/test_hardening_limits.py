@@ -115,7 +115,9 @@ def test_lone_surrogate_is_a_400(server, client, path):
 def test_non_finite_numbers_are_refused_by_the_field(server, client, value):
     r = client.post(CHAT, content=b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": ' + value + b"}",
                     headers={"Content-Type": "application/json"})
-    envelope(r, 400, "temperature")
+    err = envelope(r, 400, "temperature")
+    assert err["message"].startswith("temperature must be finite"), err
+    assert client.post(CHAT, json={"messages": MSGS, "max_tokens": 1}).status_code == 200  # still serving
 
 
 def test_existing_messages_are_unchanged(server, client):
