@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
 from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
@@ -188,9 +188,6 @@ class SpeculativeConfig:
                                         f"unknown speculative_config field {unknown[0]!r}; known: "
                                         f"{', '.join(sorted(known))}")
         return cls(**value)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

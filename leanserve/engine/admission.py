@@ -34,10 +34,6 @@ class AdmittedRequest:
     params: SamplingParams
     max_tokens: int
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
 
 class RequestAdmission:
     """Validates requests against an engine's fixed settings; thread-safe (it reads nothing that changes).

@@ -16,7 +16,7 @@ trusted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
@@ -31,19 +31,25 @@ CATCH_UP_DECODE_ROWS = 8
 
 @dataclass
 class _DraftView:
-    """What :meth:`ModelRunner.build_inputs` reads of a request: its tokens (real ones, then drafts) and how many
-    of them have draft KV."""
+    """What :meth:`ModelRunner.build_inputs` reads of a request: its tokens (the request's own, then this step's
+    drafts, read in place: no copy of the context) and how many of them have draft KV."""
 
-    request_id: str
-    tokens: list[int]
+    request: Request
     num_computed_tokens: int
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return self.request.num_tokens + len(self.drafts)
 
     def token_at(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
+        n = self.request.num_tokens
+        head = self.request.token_at(start, min(end, n)) if start < n else []
+        return head + self.drafts[max(0, start - n):max(0, end - n)]
 
 
 class DraftModelProposer:
@@ -75,8 +81,8 @@ class DraftModelProposer:
         for req, _, _ in items:
             seen = self._valid.get(req.request_id)
             valid = 0 if seen is None or seen[0] != req.num_preemptions else min(seen[1], req.num_computed_tokens)
-            views.append(_DraftView(req.request_id, req.all_token_ids, valid))
-        drafts: list[list[int]] = [[] for _ in items]
+            views.append(_DraftView(req, valid))
+        drafts = [v.drafts for v in views]
         active = [i for i, (_, _, k) in enumerate(items) if k > 0]
         while active:
             batch = []
@@ -84,7 +90,7 @@ class DraftModelProposer:
                 v, blocks = views[i], items[i][1]
                 m = v.num_tokens - v.num_computed_tokens
                 if m <= CATCH_UP_DECODE_ROWS:  # one decode row per position
-                    tail = v.tokens[v.num_computed_tokens + 1:]
+                    tail = v.token_at(v.num_computed_tokens + 1, v.num_tokens)
                     batch.append((i, ScheduledRequest(v, m, blocks, tail)))
                 else:
                     batch.append((i, ScheduledRequest(v, m, blocks)))
@@ -99,8 +105,7 @@ class DraftModelProposer:
             for (i, _), token in zip(batch, logits.argmax(dim=-1).tolist(), strict=True):
                 v = views[i]
                 v.num_computed_tokens = v.num_tokens
-                v.tokens.append(token)
-                drafts[i].append(token)
+                v.drafts.append(token)
             active = [i for i in active if len(drafts[i]) < items[i][2]]
         for (req, _, _), v in zip(items, views, strict=True):
             self._valid[req.request_id] = (req.num_preemptions, v.num_computed_tokens)
