@@ -3,13 +3,21 @@
 Each kernel has a pure-torch fallback: when compiling fails (no compiler, no ninja), leanserve logs a warning and
 keeps serving on the fallback. Compiled objects are cached by torch under ``~/.cache/torch_extensions`` (or
 ``$TORCH_EXTENSIONS_DIR``), so only the first process pays the ~1 minute build.
+
+The cache entry is keyed by what the object code depends on (:func:`build_key`): the sources' bytes, the compiler
+flags, the torch version and the CPU (``-march=native`` compiles for the build host). The sources are copied into
+the entry before building, so two checkouts or venvs of the same sources share one build instead of rebuilding
+each other's (the build files name absolute source paths), and a build made on one kind of CPU is never loaded on
+another.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +27,45 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
+_HEADERS = ("spin_pool.h",)
+_CFLAGS = ("-O3", "-march=native", "-ffast-math")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (Linux ``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        model = next((ln for ln in lines if ln.startswith("model name")), "")
+        flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
+        return model.strip() + "|" + flags.strip()
+    except OSError:
+        return platform.machine() + "|" + platform.processor()
+
+
+def build_key() -> str:
+    """12 hex digits of a SHA-256 over the kernel sources and headers, the flags, torch's version and the CPU."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode() + b"\0" + (_DIR / name).read_bytes() + b"\0")
+    h.update(" ".join(_CFLAGS).encode() + b"\0" + torch.__version__.encode() + b"\0" + _cpu_identity().encode())
+    return h.hexdigest()[:12]
+
+
+def _staged_sources(key: str) -> list[str]:
+    """Copies the sources into ``<torch extensions dir>/leanserve_src_<key>/`` (once) and returns their paths."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    dest = Path(_get_build_directory(f"leanserve_src_{key}", verbose=False))
+    for name in _SOURCES + _HEADERS:
+        target = dest / name
+        if not target.exists() or target.read_bytes() != (_DIR / name).read_bytes():
+            tmp = target.with_suffix(target.suffix + f".{os.getpid()}.tmp")
+            shutil.copyfile(_DIR / name, tmp)
+            os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
+    return [str(dest / s) for s in _SOURCES]
 
 
 @functools.cache
@@ -40,8 +87,9 @@ def native_ops() -> ModuleType | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
 
-        return load(name="leanserve_kernels", sources=[str(_DIR / s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+        key = build_key()
+        return load(name=f"leanserve_kernels_{key}", sources=_staged_sources(key), extra_cflags=list(_CFLAGS),
+                    verbose=False)
     except Exception as e:  # compiler or ninja missing, headers mismatch: keep serving on the torch path
         logger.warning("native kernels unavailable (%s); using the torch paths", e)
         return None

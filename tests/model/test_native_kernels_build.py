@@ -19,3 +19,28 @@ def test_native_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ops is not None, "the native kernels failed to build: see the warning logged above"
     for name in ("paged_decode_attention", "block_quant_gemm", "block_dequantize", "add_rms_norm_", "rope_"):
         assert callable(getattr(ops, name)), name
+
+
+def test_build_key_follows_sources_flags_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache entry changes with what the object code depends on, and with nothing else (not the checkout)."""
+    from leanserve import kernels
+
+    key = kernels.build_key()
+    assert len(key) == 12 and key == kernels.build_key()
+    monkeypatch.setattr(kernels, "_cpu_identity", lambda: "other cpu|flags avx2")
+    other_cpu = kernels.build_key()
+    monkeypatch.setattr(kernels, "_CFLAGS", ("-O2",))
+    other_flags = kernels.build_key()
+    assert len({key, other_cpu, other_flags}) == 3
+
+
+def test_sources_are_staged_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two checkouts build from the same staged copy, so neither rebuilds the other's kernels."""
+    from leanserve import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    paths = kernels._staged_sources("test0key")
+    assert [p.rsplit("/", 1)[-1] for p in paths] == list(kernels._SOURCES)
+    for name in kernels._SOURCES + kernels._HEADERS:
+        assert (tmp_path / "leanserve_src_test0key" / name).read_bytes() == (kernels._DIR / name).read_bytes()
+    assert kernels._staged_sources("test0key") == paths
