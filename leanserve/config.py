@@ -18,6 +18,7 @@ from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
 DTYPES = ("float32", "bfloat16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ANSWER_CACHE_MODES = ("off", "exact")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
 # for leanserve's block kernels (or, without native kernels, the projections in torch's packed int4/int8 layouts)
@@ -298,8 +299,24 @@ class ServerConfig:
     max_waiting: int = option(1024, "most sequences waiting to be scheduled; beyond it requests get 503 + "
                               "Retry-After", type=int)
     log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
+    # context optimization (leanserve.context): defaults of the request fields of the same names; None = off
+    max_prompt_tokens: int | None = option(
+        None, "chat history budget: drop the oldest turns so the prompt has at most this many tokens (system "
+        "messages and the latest user turn stay; reported in usage.leanserve)", type=int)
+    max_context_tokens: int | None = option(None, "token budget of a request's documents (RAG passages)", type=int)
+    top_k_documents: int | None = option(None, "most documents (RAG passages) kept per request", type=int)
+    answer_cache: str = option("off", "answer cache of deterministic requests (temperature 0 or a seed), per API "
+                               "key: off or exact", choices=ANSWER_CACHE_MODES)
+    answer_cache_bytes: int = option(64 << 20, "size bound of the answer cache", type=int, metavar="BYTES")
+    answer_cache_ttl: float = option(600.0, "seconds an answer stays in the answer cache", type=float,
+                                     metavar="SECONDS")
 
     def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
+            _check_int(name, getattr(self, name), 1, optional=True)
+        _check_choice("answer_cache", self.answer_cache, ANSWER_CACHE_MODES)
+        _check_int("answer_cache_bytes", self.answer_cache_bytes, 1)
+        _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)
         _check_int("port", self.port, 0)
         if self.port > 65535:
             raise InvalidParameterError("port", f"port must be in 0-65535, got {self.port}")

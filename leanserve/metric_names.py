@@ -17,6 +17,7 @@ from __future__ import annotations
 MODEL_NAME_LABEL = "model_name"  # on every vllm:* metric
 FINISHED_REASON_LABEL = "finished_reason"  # on REQUEST_SUCCESS: "stop", "length" or "abort"
 DEVICE_LABEL = "device"  # on the leanserve:gpu_memory_* gauges: CUDA device index
+CACHE_KIND_LABEL = "kind"  # on ANSWER_CACHE_HITS: "exact" or "semantic"
 POSITION_LABEL = "position"  # on SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS: a draft's place in its run, from 0
 
 # --- gauges, read from the engine's stats at scrape time --------------------------------------------------------
@@ -103,7 +104,7 @@ GENERATION_TOKENS_ALIASES = ("llamacpp:tokens_predicted",)  # llama.cpp: counter
 LLAMACPP_PROMPT_SECONDS = "llamacpp:prompt_seconds"  # llama.cpp: counter, seconds spent on prompts (all slots)
 LLAMACPP_PREDICTED_SECONDS = "llamacpp:tokens_predicted_seconds"  # llama.cpp: counter, seconds spent generating
 LLAMACPP_BUSY_SLOTS_PER_DECODE = "llamacpp:n_busy_slots_per_decode"  # llama.cpp: gauge, mean batch of a decode
-ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter (label kind): requests looked up
+ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter: deterministic requests looked up (--answer-cache)
 ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
 PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"  # prometheus_client's process collector: gauge
 

@@ -69,6 +69,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the detokenized text.
         speculative: let the engine's speculative decoding (when configured) draft tokens for this request;
             False turns it off for this request only (the output is the same either way).
+        truncate_prompt_tokens: keep only the last k prompt tokens (vLLM's left truncation), applied at
+            admission; -1 = the model's limit (the longest prompt that leaves room for ``max_tokens``); None = off.
 
     Raises:
         InvalidParameterError: on construction, when a value has the wrong type or is out of range;
@@ -93,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -142,6 +145,12 @@ class SamplingParams:
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, optional=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise InvalidParameterError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's "
+                                        f"limit) or an integer >= 1, got {self.truncate_prompt_tokens}")
 
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from leanserve.context.truncate import truncate_prompt
 from leanserve.core.kv_cache_manager import cdiv
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.sampling_params import SamplingParams
@@ -95,8 +96,9 @@ class RequestAdmission:
         """Validate ``prompt`` with ``params`` and resolve its output-token limit.
 
         Raises:
-            InvalidParameterError: a bad prompt, ``stop_token_ids`` outside the vocabulary, or ``min_tokens`` that
-                cannot fit.
+            InvalidParameterError: a bad prompt, ``stop_token_ids`` outside the vocabulary, ``min_tokens`` that
+                cannot fit, or a ``truncate_prompt_tokens`` over the context (the prompt is left-truncated to it
+                first, :func:`leanserve.context.truncate.truncate_prompt`).
             ContextLengthExceededError: prompt (+ ``max_tokens``) longer than ``max_model_len``; ``param`` is
                 "prompt" or "max_tokens".
             KVCapacityError: prompt + output cannot fit in the whole KV pool.
@@ -105,6 +107,7 @@ class RequestAdmission:
             raise InvalidParameterError("stop_token_ids",
                                         f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         ids = self.tokenize(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
 

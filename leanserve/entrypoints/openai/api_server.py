@@ -28,6 +28,8 @@ from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai import openapi
+from leanserve.entrypoints.openai.answer_cache import ServingAnswerCache
+from leanserve.entrypoints.openai.context_policies import ContextSettings
 from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
@@ -88,7 +90,8 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               tenants: TenantRegistry | None = None, limits: RequestLimits | None = None,
-              stall_timeout: float = 10.0) -> FastAPI:
+              stall_timeout: float = 10.0, context: ContextSettings | None = None,
+              answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``.
 
     Args:
@@ -96,6 +99,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         tenants: the tenants (keys, limits); None and no ``api_key``: no authentication.
         limits: bounds on request bodies (default :class:`RequestLimits`).
         stall_timeout: ``/health`` fails when the engine loop has been busy this many seconds without advancing.
+        context: server-wide defaults of the context policies (``context_policies.py``); None: all off.
+        answer_cache_bytes: size bound of the exact answer cache (``answer_cache.py``); None: no answer cache.
+        answer_cache_ttl: seconds an answer stays valid in it.
 
     The app has its own metrics registry (registered as an observer of ``engine``); its lifespan shuts the
     engine down when the server stops.
@@ -124,6 +130,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.limits = limits
+    app.state.context = context or ContextSettings()
+    app.state.answer_cache = None if answer_cache_bytes is None else ServingAnswerCache(
+        served_model_name, answer_cache_bytes, answer_cache_ttl, metrics.registry)
     app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
     openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
@@ -350,7 +359,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout)
     name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
     app = build_app(engine, name, tenants=tenants, limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
-                    stall_timeout=sc.engine_stall_timeout)
+                    stall_timeout=sc.engine_stall_timeout,
+                    context=ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents),
+                    answer_cache_bytes=None if sc.answer_cache == "off" else sc.answer_cache_bytes,
+                    answer_cache_ttl=sc.answer_cache_ttl)
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
                             lifespan="on")
     server = LeanserveServer(config, engine,

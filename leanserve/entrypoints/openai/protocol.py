@@ -9,7 +9,16 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +117,27 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     speculative: bool = True  # leanserve: False turns the server's speculative decoding off for this request
     priority: int = 0
+    # context optimization (leanserve.context; reported in usage.leanserve)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens; -1 = the model's limit
+    cache: bool = True  # leanserve: false bypasses the server's answer cache (--answer-cache) for this request
+
+
+class Document(OpenAIBaseModel):
+    """A retrieved passage sent apart from the question (``documents``)."""
+
+    id: str
+    text: str
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # context optimization (leanserve.context): history under a budget, RAG passages
+    max_prompt_tokens: int | None = Field(None, ge=1)  # drop the oldest turns to fit (system, last turn stay)
+    keep_last_turns: int | None = Field(None, ge=1)  # keep the latest user turn and the N - 1 before it
+    documents: list[Document] | None = None  # passages; the query is the last user message
+    max_context_tokens: int | None = Field(None, ge=1)  # token budget of the passages kept
+    top_k_documents: int | None = Field(None, ge=1)  # most passages kept
+    reorder_documents: bool = True  # the most relevant passages at both ends ("lost in the middle")
     max_tokens: int | None = None  # None: until the model stops or the context is full
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -159,11 +185,38 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
 
+class DuplicateDocument(ResponseModel):
+    id: str
+    duplicate_of: str
+
+
+class ContextUsage(ResponseModel):
+    """leanserve's report of the context policies and the answer cache (``usage.leanserve``); present when a
+    policy or the answer cache applied to the request."""
+
+    prompt_tokens_sent: int  # prompt tokens as the client sent them (rendered), before any policy
+    prompt_tokens_computed: int  # prompt tokens the model computed: prompt_tokens - cached_tokens; 0 on a cache hit
+    truncated_tokens: int = 0  # cut by truncate_prompt_tokens (from the start of the prompt)
+    dropped_messages: list[int] | None = None  # indexes into the request's messages, by max_prompt_tokens / turns
+    documents_used: list[str] | None = None  # passage ids, in prompt order
+    documents_dropped: list[str] | None = None  # left out by top_k_documents / max_context_tokens, by rank
+    documents_duplicates: list[DuplicateDocument] | None = None  # exact or near duplicates removed
+    cache: Literal["hit", "miss", "bypass"] | None = None  # the answer cache's verdict (None: cache off)
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    leanserve: ContextUsage | None = None  # context policies and answer cache (omitted when none applied)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_report(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("leanserve", 0) is None:
+            del data["leanserve"]
+        return data
 
 
 class Timings(ResponseModel):

@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator
 
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai import answer_cache
+from leanserve.entrypoints.openai.context_policies import ContextSettings, RequestContext, render_chat, settings_of
 from leanserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,7 +50,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
-from leanserve.errors import InvalidParameterError, LeanserveError
+from leanserve.errors import LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
 
@@ -66,14 +68,12 @@ class OpenAIServingChat:
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
 
-    def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of the conversation: chat template applied, encoded without adding special tokens."""
-        messages = [m.to_template_dict() for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except InvalidParameterError as exc:
-            raise to_openai_error(exc) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def render_prompt(self, req: ChatCompletionRequest, raw_request: Request | None = None
+                      ) -> tuple[list[int], RequestContext]:
+        """Token ids of the conversation after its context policies (``context_policies.py``): chat template
+        applied, encoded without adding special tokens; and what the policies did."""
+        settings = settings_of(raw_request) if raw_request is not None else None
+        return render_chat(req, self.tokenizer, settings or ContextSettings())
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival = arrival_time(raw_request)
@@ -93,16 +93,19 @@ class OpenAIServingChat:
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
-        prompt_ids = self.render_prompt(req)
+        prompt_ids, ctx = self.render_prompt(req, raw_request)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
-        (stream,) = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
+        ctx.admitted(len(prompt_ids), len(admitted[0].prompt_token_ids), params.truncate_prompt_tokens)
+        (stream,), ctx.cache = await answer_cache.submit(
+            raw_request, "chat", admitted, arrival, req.cache,
+            lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)))
         created = int(time.time())
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(stream, request_id, created, params.n, top_n, include_usage)
-            return SSEResponse(body, on_close=stream.abort)
+            body = self._stream(stream, request_id, created, params.n, top_n, include_usage, ctx)
+            return answer_cache.mark(SSEResponse(body, on_close=stream.abort), ctx.cache)
 
         async def collect() -> RequestOutput:
             final = None
@@ -116,7 +119,8 @@ class OpenAIServingChat:
             return Response(status_code=499)
         except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
             raise to_openai_error(exc) from None
-        return JSONResponse(self._response(final, request_id, created, top_n).model_dump(mode="json"))
+        return answer_cache.mark(JSONResponse(self._response(final, request_id, created, top_n, ctx)
+                                              .model_dump(mode="json")), ctx.cache)
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None
                   ) -> ChatLogprobs | None:
@@ -140,8 +144,8 @@ class OpenAIServingChat:
         text, raw = self._token(tid, lp)
         return TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=raw)
 
-    def _response(self, final: RequestOutput, request_id: str, created: int, top_n: int | None
-                  ) -> ChatCompletionResponse:
+    def _response(self, final: RequestOutput, request_id: str, created: int, top_n: int | None,
+                  ctx: RequestContext | None = None) -> ChatCompletionResponse:
         choices = []
         for o in final.outputs:
             logprobs = self._logprobs(o.token_ids, o.logprobs or [], top_n)
@@ -150,11 +154,11 @@ class OpenAIServingChat:
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices,
-            usage=usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+            usage=usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens, ctx),
             timings=timings_of([final]))
 
     async def _stream(self, stream, request_id: str, created: int, n: int, top_n: int | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, ctx: RequestContext | None = None) -> AsyncIterator[str]:
         exclude = None if include_usage else {"usage"}
 
         def chunk(choices: list[ChatStreamChoice], **extra) -> str:
@@ -190,7 +194,7 @@ class OpenAIServingChat:
                                     timings=timings_of([out]) if last else None)
             if include_usage and final is not None:
                 completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-                usage = usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
+                usage = usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens, ctx)
                 yield chunk([], usage=usage)
         except Exception as exc:  # the engine failed mid-stream: report it in the stream
             yield sse(to_openai_error(exc).body())

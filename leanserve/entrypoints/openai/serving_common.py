@@ -176,6 +176,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "speculative": req.speculative,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
     }
     for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -198,10 +199,14 @@ def check_model(requested: str | None, served: str) -> None:
                           "model_not_found")
 
 
-def usage_of(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+             context: Any = None) -> UsageInfo:
+    """Usage; ``context`` (a ``context_policies.RequestContext``) adds ``usage.leanserve`` when a policy or the
+    answer cache applied."""
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                      total_tokens=num_prompt_tokens + num_completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+                     leanserve=None if context is None else context.report(num_prompt_tokens, num_cached_tokens))
 
 
 def timings_of(outs: list[RequestOutput]) -> Timings | None:

@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncIterator
 
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai import answer_cache
+from leanserve.entrypoints.openai.context_policies import RequestContext
 from leanserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -77,15 +79,21 @@ class OpenAIServingCompletion:
             return self._echo_only(req, prompts)
         params = sampling_params(req, req.max_tokens, req.logprobs)
         admitted = admit_all(self.engine, prompts, params)
+        ctx = RequestContext()
+        if params.truncate_prompt_tokens is not None:
+            sent = [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+            ctx.admitted(sum(sent), sum(len(a.prompt_token_ids) for a in admitted), params.truncate_prompt_tokens)
         request_id = new_id("cmpl")
-        streams = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
+        streams, ctx.cache = await answer_cache.submit(
+            raw_request, "completion", admitted, arrival, req.cache,
+            lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)))
         created = int(time.time())
         echo = [self.tokenizer.decode(a.prompt_token_ids) if req.echo else "" for a in admitted]
         merged = MultiStream(streams)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(merged, request_id, created, params.n, req.logprobs, echo, include_usage)
-            return SSEResponse(body, on_close=lambda: [s.abort() for s in streams])
+            body = self._stream(merged, request_id, created, params.n, req.logprobs, echo, include_usage, ctx)
+            return answer_cache.mark(SSEResponse(body, on_close=lambda: [s.abort() for s in streams]), ctx.cache)
 
         async def collect() -> list[RequestOutput]:
             finals: list[RequestOutput | None] = [None] * len(streams)
@@ -100,8 +108,8 @@ class OpenAIServingCompletion:
             return Response(status_code=499)
         except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
             raise to_openai_error(exc) from None
-        return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo)
-                            .model_dump(mode="json"))
+        return answer_cache.mark(JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs,
+                                                             echo, ctx).model_dump(mode="json")), ctx.cache)
 
     def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
         """``echo`` with ``max_tokens: 0``: the prompts, checked as admission checks them (each must fit the
@@ -159,7 +167,7 @@ class OpenAIServingCompletion:
         return self.tokenizer.token_bytes(tid).decode("utf-8", "replace")
 
     def _response(self, finals: list[RequestOutput], request_id: str, created: int, n: int, top_n: int | None,
-                  echo: list[str]) -> CompletionResponse:
+                  echo: list[str], ctx: RequestContext | None = None) -> CompletionResponse:
         choices = []
         for i, final in enumerate(finals):
             for o in final.outputs:
@@ -168,12 +176,13 @@ class OpenAIServingCompletion:
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         usage = usage_of(sum(len(f.prompt_token_ids) for f in finals),
                          sum(len(o.token_ids) for f in finals for o in f.outputs),
-                         sum(f.num_cached_tokens for f in finals))
+                         sum(f.num_cached_tokens for f in finals), ctx)
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=usage, timings=timings_of(finals))
 
     async def _stream(self, merged: MultiStream, request_id: str, created: int, n: int, top_n: int | None,
-                      echo: list[str], include_usage: bool) -> AsyncIterator[str]:
+                      echo: list[str], include_usage: bool, ctx: RequestContext | None = None
+                      ) -> AsyncIterator[str]:
         exclude = None if include_usage else {"usage"}
 
         def chunk(choices: list[CompletionChoice], **extra) -> str:
@@ -217,7 +226,7 @@ class OpenAIServingCompletion:
                 done = [f for f in finals if f is not None]
                 usage = usage_of(sum(len(f.prompt_token_ids) for f in done),
                                  sum(len(o.token_ids) for f in done for o in f.outputs),
-                                 sum(f.num_cached_tokens for f in done))
+                                 sum(f.num_cached_tokens for f in done), ctx)
                 yield chunk([], usage=usage)
         except Exception as exc:
             yield sse(to_openai_error(exc).body())

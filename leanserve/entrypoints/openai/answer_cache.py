@@ -1,0 +1,166 @@
+"""The server's answer cache (``--answer-cache exact``): in front of the engine queue, per tenant.
+
+A deterministic request (:func:`leanserve.context.answer_cache.is_deterministic`) whose ``cache`` field is not
+false is looked up after the admission check (a pure validation: invalid requests stay 400s) and before the
+engine queue. The key (:func:`leanserve.context.answer_cache.cache_key`) is: the tenant (API key owner; one
+namespace without keys), the served model, the endpoint, the full prompt token ids as admitted (template,
+policies and truncation applied), the resolved ``max_tokens`` and every field of ``SamplingParams`` but
+``speculative`` (which does not change the output). A miss runs normally and its outputs are recorded step by
+step; when it finishes with no choice aborted, its final outputs and the step boundaries are stored. A hit
+replays the same snapshots without the engine, so a replayed stream has the live one's chunk structure, finish
+reasons and usage, whichever of stream / non-stream filled the entry. Responses carry ``x-leanserve-cache:
+hit|miss`` and ``usage.leanserve.cache``; ``leanserve:answer_cache_queries_total`` and
+``leanserve:answer_cache_hits_total{kind="exact"}`` count lookups and hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from leanserve import metric_names as names
+from leanserve.context.answer_cache import AnswerCache, cache_key, is_deterministic
+from leanserve.engine.admission import AdmittedRequest
+from leanserve.entrypoints.openai.tenants import TENANT_KEY
+from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter
+
+CACHE_HEADER = "x-leanserve-cache"
+
+
+class ServingAnswerCache:
+    """The answer cache of one served model, with its metrics in ``registry``."""
+
+    def __init__(self, model_name: str, max_bytes: int, ttl: float, registry: CollectorRegistry | None = None,
+                 kind: str = "exact") -> None:
+        self.model_name = model_name
+        self.kind = kind
+        self.cache = AnswerCache(max_bytes, ttl)
+        self.queries = Counter(names.ANSWER_CACHE_QUERIES, "answer cache lookups", [names.MODEL_NAME_LABEL],
+                               registry=registry)
+        self.hits = Counter(names.ANSWER_CACHE_HITS, "answer cache hits", [names.MODEL_NAME_LABEL,
+                            names.CACHE_KIND_LABEL], registry=registry)
+        self.queries.labels(model_name)
+        for k in ("exact", "semantic"):
+            self.hits.labels(model_name, k)
+
+    def key(self, raw_request: Request, endpoint: str, admitted: AdmittedRequest) -> bytes:
+        tenant = raw_request.scope.get(TENANT_KEY)
+        params = {k: v for k, v in dataclasses.asdict(admitted.params).items() if k != "speculative"}
+        return cache_key(getattr(tenant, "name", None), self.model_name, endpoint, admitted.prompt_token_ids,
+                         admitted.max_tokens, params)
+
+    def lookup(self, key: bytes, arrival: float, admitted: AdmittedRequest) -> CachedStream | None:
+        self.queries.labels(self.model_name).inc()
+        payload = self.cache.get(key)
+        if payload is None:
+            return None
+        self.hits.labels(self.model_name, "exact").inc()
+        return CachedStream(pickle.loads(payload), admitted.prompt_token_ids, arrival)
+
+    def recording(self, stream: Any, key: bytes) -> RecordingStream:
+        return RecordingStream(stream, lambda record: self.cache.put(key, pickle.dumps(record, protocol=5)))
+
+
+def answer_cache_of(raw_request: Request) -> ServingAnswerCache | None:
+    return getattr(raw_request.app.state, "answer_cache", None)
+
+
+async def submit(raw_request: Request, endpoint: str, admitted: list[AdmittedRequest], arrival: float,
+                 use_cache: bool, add: Callable[[list[AdmittedRequest]], Awaitable[list[Any]]]
+                 ) -> tuple[list[Any], str | None]:
+    """The request's streams, from the cache where it hits and from ``add`` (``serving_common.add_all``) for the
+    rest; and the verdict: None (no cache), "bypass" (``cache: false`` or not deterministic), "hit" (all
+    prompts hit) or "miss"."""
+    cache = answer_cache_of(raw_request)
+    if cache is None:
+        return await add(admitted), None
+    params = admitted[0].params
+    if not use_cache or not is_deterministic(params.temperature, params.seed):
+        return await add(admitted), "bypass"
+    keys = [cache.key(raw_request, endpoint, a) for a in admitted]
+    hits = [cache.lookup(k, arrival, a) for k, a in zip(keys, admitted, strict=True)]
+    misses = [i for i, h in enumerate(hits) if h is None]
+    live = await add([admitted[i] for i in misses]) if misses else []
+    streams: list[Any] = list(hits)
+    for i, s in zip(misses, live, strict=True):
+        streams[i] = cache.recording(s, keys[i])
+    return streams, "miss" if misses else "hit"
+
+
+def mark(response: Any, verdict: str | None) -> Any:
+    """``response`` with the ``x-leanserve-cache`` header when the cache was consulted (hit or miss)."""
+    if verdict in ("hit", "miss"):
+        response.headers[CACHE_HEADER] = verdict
+    return response
+
+
+class RecordingStream:
+    """A request stream passed through, recording each snapshot's boundaries; ``on_done(record)`` gets the
+    record when the request finished with no choice aborted."""
+
+    def __init__(self, stream: Any, on_done: Callable[[dict[str, Any]], Any]) -> None:
+        self._stream = stream
+        self._on_done = on_done
+        self._steps: list[list[tuple[int, int, int, bool]]] = []
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream:
+            self._steps.append([(o.index, len(o.text), len(o.token_ids), o.finish_reason is not None)
+                                for o in out.outputs])
+            if out.finished and all(o.finish_reason not in (None, "abort") for o in out.outputs):
+                self._on_done({"steps": self._steps, "num_cached_tokens": out.num_cached_tokens,
+                               "outputs": [(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                                            o.logprobs, o.cumulative_logprob) for o in out.outputs]})
+            yield out
+
+    def abort(self) -> None:
+        self._stream.abort()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def accepted(self) -> None:
+        await self._stream.accepted()
+
+
+class CachedStream:
+    """A finished answer replayed as the engine streamed it: one snapshot per recorded step."""
+
+    def __init__(self, record: dict[str, Any], prompt_token_ids: list[int], arrival: float) -> None:
+        self._record = record
+        self._prompt = prompt_token_ids
+        self._arrival = arrival
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        rec = self._record
+        finals = {o[0]: o for o in rec["outputs"]}
+        now = time.monotonic()
+        steps = rec["steps"]
+        for k, step in enumerate(steps):
+            outs = []
+            for index, nchars, ntoks, done in step:
+                _, text, ids, reason, stop, lps, cum = finals[index]
+                m = RequestMetrics(self._arrival, first_scheduled_time=now, first_token_time=now,
+                                   last_token_time=time.monotonic(), finished_time=time.monotonic() if done else None,
+                                   num_generation_tokens=ntoks)
+                outs.append(CompletionOutput(index, text[:nchars], list(ids[:ntoks]), reason if done else None,
+                                             stop if done else None, None if lps is None else lps[:ntoks],
+                                             cum if done else None, metrics=m))
+            last = k == len(steps) - 1
+            yield RequestOutput("cached", None, self._prompt, outs, finished=last,
+                                num_cached_tokens=rec["num_cached_tokens"], metrics=outs[0].metrics if outs else None)
+
+    def abort(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    async def accepted(self) -> None:
+        pass

@@ -1,0 +1,129 @@
+"""The context policies of one chat request (``leanserve.context``), applied before admission, and their report
+(``usage.leanserve``, :class:`~.protocol.ContextUsage`).
+
+Order: passages first (``documents``: de-duplicated, ranked, kept under ``max_context_tokens`` /
+``top_k_documents``, written into the last user message or the template's ``documents``), then the history
+(``max_prompt_tokens`` / ``keep_last_turns``: the budget counts the passages too, which sit in the latest user
+turn and are never dropped), then the chat template; ``truncate_prompt_tokens`` is applied at admission, to the
+rendered token ids. A request field overrides the server's default (the flag of the same name); an unset one
+takes it. A request that cannot fit after its policy is a 400, as any over-long request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from leanserve.context.history import count_tokens, trim_history
+from leanserve.context.passages import as_passages, build_messages, last_user_text, select_passages
+from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, ContextUsage, DuplicateDocument
+from leanserve.entrypoints.openai.serving_common import to_openai_error
+from leanserve.errors import InvalidParameterError
+
+from fastapi import Request
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """Server-wide defaults of the policies (``--max-prompt-tokens``, ``--max-context-tokens``,
+    ``--top-k-documents``); None: off unless a request sets it."""
+
+    max_prompt_tokens: int | None = None
+    max_context_tokens: int | None = None
+    top_k_documents: int | None = None
+
+
+def settings_of(raw_request: Request) -> ContextSettings:
+    return getattr(raw_request.app.state, "context", None) or ContextSettings()
+
+
+@dataclass
+class RequestContext:
+    """What the policies did to one request (filled as they run; :meth:`report` builds ``usage.leanserve``)."""
+
+    active: bool = False
+    prompt_tokens_sent: int | None = None  # None: the prompt as admitted (no policy changed it)
+    truncated_tokens: int = 0
+    dropped_messages: list[int] | None = None
+    documents_used: list[str] | None = None
+    documents_dropped: list[str] | None = None
+    documents_duplicates: dict[str, str] = field(default_factory=dict)
+    cache: str | None = None
+
+    def admitted(self, num_rendered: int, num_admitted: int, truncate: int | None) -> None:
+        """Record what admission's ``truncate_prompt_tokens`` cut from the rendered prompt."""
+        if truncate is not None:
+            self.active = True
+            self.truncated_tokens = num_rendered - num_admitted
+        if self.prompt_tokens_sent is None:
+            self.prompt_tokens_sent = num_rendered
+
+    def report(self, prompt_tokens: int, cached_tokens: int) -> ContextUsage | None:
+        if not self.active and self.cache is None:
+            return None
+        dups = [DuplicateDocument(id=k, duplicate_of=v) for k, v in self.documents_duplicates.items()]
+        return ContextUsage(
+            prompt_tokens_sent=self.prompt_tokens_sent if self.prompt_tokens_sent is not None else prompt_tokens,
+            prompt_tokens_computed=0 if self.cache == "hit" else prompt_tokens - cached_tokens,
+            truncated_tokens=self.truncated_tokens, dropped_messages=self.dropped_messages,
+            documents_used=self.documents_used, documents_dropped=self.documents_dropped,
+            documents_duplicates=dups if self.documents_used is not None else None, cache=self.cache)
+
+
+def _pick(value: int | None, default: int | None) -> int | None:
+    return value if value is not None else default
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSettings) -> tuple[list[int],
+                                                                                                 RequestContext]:
+    """Token ids of the chat request after its passage and history policies, and what they did.
+
+    Raises:
+        OpenAIError: 400 for a template error, a bad budget, or a conversation whose pinned part (system
+            messages, latest user turn with its passages) exceeds ``max_prompt_tokens``.
+    """
+    ctx = RequestContext()
+    messages = [m.to_template_dict() for m in req.messages]
+    kwargs: dict[str, Any] = {}
+    gen = req.add_generation_prompt
+    max_prompt = _pick(req.max_prompt_tokens, settings.max_prompt_tokens)
+    try:
+        if req.documents is not None:
+            ctx.active = True
+            docs = [{"id": d.id, "text": d.text} for d in req.documents]
+            sel = select_passages(last_user_text(messages), docs, tokenizer,
+                                  max_context_tokens=_pick(req.max_context_tokens, settings.max_context_tokens),
+                                  top_k=_pick(req.top_k_documents, settings.top_k_documents),
+                                  reorder=req.reorder_documents)
+            all_msgs, all_kwargs = build_messages(messages, as_passages(docs), tokenizer)
+            ctx.prompt_tokens_sent = count_tokens(tokenizer, all_msgs, gen, **all_kwargs)
+            messages, kwargs = build_messages(messages, sel.used, tokenizer)
+            ctx.documents_used, ctx.documents_dropped = sel.used_ids, sel.dropped
+            ctx.documents_duplicates = sel.duplicates
+        if max_prompt is not None or req.keep_last_turns is not None:
+            ctx.active = True
+            trimmed = _trim(messages, tokenizer, max_prompt, req.keep_last_turns, gen, kwargs)
+            ctx.dropped_messages = trimmed.dropped
+            if ctx.prompt_tokens_sent is None:
+                ctx.prompt_tokens_sent = trimmed.num_tokens_sent
+            messages = trimmed.messages
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=gen, **kwargs)
+    except InvalidParameterError as exc:
+        raise to_openai_error(exc) from None
+    return tokenizer.encode(text, add_special_tokens=False), ctx
+
+
+def _trim(messages, tokenizer, max_prompt, keep_last, gen, kwargs):
+    if not kwargs:
+        return trim_history(messages, tokenizer, max_prompt_tokens=max_prompt, keep_last_turns=keep_last,
+                            add_generation_prompt=gen)
+
+    class WithKwargs:  # a template that renders documents gets them on every count
+        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs, **kw)
+
+        def encode(self, text, add_special_tokens=True):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    return trim_history(messages, WithKwargs(), max_prompt_tokens=max_prompt, keep_last_turns=keep_last,
+                        add_generation_prompt=gen)

@@ -1,0 +1,98 @@
+"""truncate_prompt_tokens (vLLM's left truncation) and the answer cache object (LRU in bytes, TTL)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from leanserve.context import AnswerCache, is_deterministic, truncate_prompt, truncation_size
+from leanserve.context.answer_cache import ENTRY_OVERHEAD, cache_key
+from leanserve.errors import InvalidParameterError
+from leanserve.sampling_params import SamplingParams
+
+import pytest
+
+
+def test_truncate_keeps_the_last_k():
+    ids = list(range(10))
+    assert truncate_prompt(ids, 3, 100, None) == [7, 8, 9]
+    assert truncate_prompt(ids, 10, 100, None) == ids and truncate_prompt(ids, 50, 100, None) == ids
+    assert truncate_prompt(ids, None, 5, None) == ids  # off: admission refuses it later, not here
+
+
+def test_minus_one_is_the_model_limit():
+    assert truncation_size(-1, 512, 100) == 412  # room left for max_tokens
+    assert truncation_size(-1, 512, None) == 511  # at least one output token
+    assert truncate_prompt(list(range(600)), -1, 512, 12) == list(range(100, 600))
+    with pytest.raises(InvalidParameterError):
+        truncation_size(-1, 512, 512)
+
+
+@pytest.mark.parametrize("k", [0, -2, 513, 1.5, True])
+def test_bad_truncation(k):
+    with pytest.raises(InvalidParameterError) as e:
+        truncation_size(k, 512, None)
+    assert e.value.param == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("k", [0, -2, 2.0, "3"])
+def test_sampling_params_checks_truncate(k):
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(truncate_prompt_tokens=k)
+    assert e.value.param == "truncate_prompt_tokens"
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+
+
+def test_engine_admission_truncates(llm):
+    """LLM.generate with truncate_prompt_tokens computes only the last k tokens, and says so in its output."""
+    ids = llm.get_tokenizer().encode("one two three four five six seven eight nine ten eleven twelve")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, temperature=0,
+                                                                 truncate_prompt_tokens=4))
+    assert out[0].prompt_token_ids == ids[-4:]
+
+
+def test_deterministic():
+    assert is_deterministic(0.0, None) and is_deterministic(0.7, 3) and not is_deterministic(0.7, None)
+
+
+def test_key_covers_every_part():
+    base = ("t", "m", "chat", [1, 2, 3], 16, {"temperature": 0.0, "stop": [], "seed": None})
+    keys = {cache_key(*base)}
+    for i, alt in enumerate([("u",), ("t", "m2"), ("t", "m", "completion"), ("t", "m", "chat", [1, 2, 4])]):
+        keys.add(cache_key(*alt, *base[len(alt):]))
+        assert len(keys) == i + 2
+    for change in ({"stop": ["x"]}, {"seed": 1}, {"temperature": 1e-6}, {"logprobs": 0}):
+        keys.add(cache_key(*base[:5], {**base[5], **change}))
+    assert len(keys) == 9
+    assert cache_key(*base) == cache_key(*base)
+
+
+def test_lru_ttl_and_bound():
+    now = [0.0]
+    cache = AnswerCache(max_bytes=3 * (100 + 32 + ENTRY_OVERHEAD), ttl=10.0, clock=lambda: now[0])
+    for k in (b"a", b"b", b"c"):
+        assert cache.put(k, bytes(100))
+    assert cache.get(b"a") == bytes(100)  # a is now the most recently used
+    cache.put(b"d", bytes(100))  # evicts b, the least recently used
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and len(cache) == 3
+    now[0] = 10.5
+    assert cache.get(b"a") is None and len(cache) == 2  # expired and removed
+    assert not cache.put(b"big", bytes(cache.max_bytes))  # larger than the whole bound: not stored
+    assert (cache.queries, cache.hits) == (4, 2)
+
+
+def test_memory_within_bound_under_10000_distinct_requests():
+    """10,000 distinct entries of 1-3 KB through a 1 MiB cache: the accounted size never passes the bound,
+    and the memory the cache really holds (tracemalloc) stays within it too."""
+    bound = 1 << 20
+    cache = AnswerCache(max_bytes=bound, ttl=3600.0)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    peak_accounted = 0
+    for i in range(10_000):
+        cache.put(cache_key("tenant", "model", "chat", [i], 16, {}), bytes(1000 + (i * 37) % 2000))
+        peak_accounted = max(peak_accounted, cache.nbytes)
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert peak_accounted <= bound and cache.evictions > 9000
+    assert held <= bound, held
+    assert cache.nbytes == sum(e.nbytes for e in cache._entries.values())

@@ -1,0 +1,227 @@
+"""The context policies and the answer cache through a real server (one per module, answer cache on, two keys)."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers import ServerProcess, sse_chunks
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+OTHER_KEY = "other-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(["--kv-cache-memory", str(256 << 20), "--max-model-len", "2048", "--answer-cache", "exact",
+                         "--api-key", OTHER_KEY]).start()
+    yield srv
+    assert srv.stop() == 0, srv.stderr()
+
+
+@pytest.fixture
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def _ok(r):
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _bad(r, param=None):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ truncation
+def test_truncate_prompt_tokens_on_both_endpoints(client):
+    msgs = [{"role": "user", "content": "Count with me: one two three four five six seven eight nine ten."}]
+    full = _ok(client.post(CHAT, json={"messages": msgs, "max_tokens": 2, "temperature": 0, "cache": False}))
+    cut = _ok(client.post(CHAT, json={"messages": msgs, "max_tokens": 2, "temperature": 0, "cache": False,
+                                      "truncate_prompt_tokens": 8}))
+    sent = full["usage"]["prompt_tokens"]
+    assert full["usage"]["leanserve"]["truncated_tokens"] == 0 and full["usage"]["leanserve"]["cache"] == "bypass"
+    assert cut["usage"]["prompt_tokens"] == 8
+    rep = cut["usage"]["leanserve"]
+    assert rep["prompt_tokens_sent"] == sent and rep["truncated_tokens"] == sent - 8 and rep["cache"] == "bypass"
+    text = "alpha beta gamma delta " * 700  # ~2,800 tokens: over the 2,048 context
+    c = _ok(client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 4, "truncate_prompt_tokens": -1,
+                                           "temperature": 0, "cache": False}))
+    assert c["usage"]["prompt_tokens"] == 2048 - 4
+    assert c["usage"]["leanserve"]["truncated_tokens"] == c["usage"]["leanserve"]["prompt_tokens_sent"] - 2044
+    _bad(client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 4}))  # without it: too long, a 400
+
+
+@pytest.mark.parametrize("body", [
+    {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": 4096},
+    {"max_prompt_tokens": -1}, {"max_prompt_tokens": 0}, {"keep_last_turns": 0}, {"max_context_tokens": -5},
+    {"top_k_documents": 0}, {"documents": "not a list"}, {"documents": {"id": "a", "text": "b"}},
+    {"documents": [{"text": "no id"}]}, {"documents": [{"id": "a"}]}, {"documents": [{"id": 1, "text": "x"}]},
+    {"documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]},
+    {"max_prompt_tokens": 5},  # the system prompt and the question alone are longer
+])
+def test_bad_values_are_400s(client, body):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of Peru?"}]
+    param = next(iter(body))
+    _bad(client.post(CHAT, json={"messages": msgs, "max_tokens": 2, **body}), param)
+
+
+# --------------------------------------------------------------------------------------------------- history
+def conversation(turns: int, extra: int = 0) -> list[dict]:
+    conv = [{"role": "system", "content": "You are a patient travel agent. Answer in one short sentence."}]
+    for i in range(turns + extra):
+        conv.append({"role": "user", "content": f"Question {i}: what is a good thing to see in city number {i}, "
+                     "and how long should I stay there if I like museums and parks?"})
+        if i < turns + extra - 1:
+            conv.append({"role": "assistant", "content": f"In city {i}, visit the old town and its museum; two "
+                         "days are enough for the museums and one more for the parks."})
+    return conv
+
+
+def test_40_turns_under_1024_tokens_then_the_next_turn_hits_the_prefix_cache(client):
+    conv = conversation(40)
+    body = {"messages": conv, "max_tokens": 4, "temperature": 0, "max_prompt_tokens": 1024, "cache": False}
+    first = _ok(client.post(CHAT, json=body))
+    rep = first["usage"]["leanserve"]
+    dropped = rep["dropped_messages"]
+    assert first["usage"]["prompt_tokens"] <= 1024 < rep["prompt_tokens_sent"]
+    assert 0 not in dropped and len(conv) - 1 not in dropped
+    assert dropped == list(range(1, len(dropped) + 1))  # the oldest turns, whole: user + assistant pairs
+    assert len(dropped) % 2 == 0 and len(dropped) > 20
+    tok = _ok(client.post("/tokenize", json={"messages": [conv[0]] + conv[len(dropped) + 1:]}))
+    assert tok["count"] == first["usage"]["prompt_tokens"]  # what was computed is exactly the kept messages
+
+    nxt = conv + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "Thanks! And what about the food there?"}]
+    second = _ok(client.post(CHAT, json={**body, "messages": nxt}))
+    assert second["usage"]["leanserve"]["dropped_messages"] == dropped  # the same cut: a byte-stable prefix
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 16  # all of the previous prompt but its last block
+
+
+def test_keep_last_turns(client):
+    conv = conversation(5)
+    r = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2, "cache": False}))
+    # turns [1, 2], [3, 4], [5, 6], [7, 8] before the latest user turn (9): the last of them stays
+    assert r["usage"]["leanserve"]["dropped_messages"] == list(range(1, 7))
+
+
+# ------------------------------------------------------------------------------------------------- passages
+FACTS = [("a", "The Amazon river flows through Brazil and Peru into the Atlantic Ocean."),
+         ("b", "Mount Kilimanjaro in Tanzania is the highest mountain in Africa."),
+         ("c", "The Great Barrier Reef lies off the coast of Queensland in Australia."),
+         ("d", "Lake Baikal in Siberia is the deepest lake in the world."),
+         ("e", "The Sahara is the largest hot desert and covers much of North Africa."),
+         ("f", "Angel Falls in Venezuela is the tallest uninterrupted waterfall on Earth."),
+         ("g", "The Dead Sea between Jordan and Israel is the lowest point on land."),
+         ("h", "The Mariana Trench in the Pacific Ocean is the deepest part of the oceans.")]
+
+
+def passages12() -> list[dict]:
+    docs = [{"id": i, "text": t} for i, t in FACTS]
+    # four near-duplicates of b, d, f, h: one word changed or added, as a retriever returns from two sources
+    docs += [{"id": "b2", "text": "Mount Kilimanjaro in Tanzania is the highest mountain of Africa."},
+             {"id": "d2", "text": "Lake Baikal in Siberia is the deepest lake in the whole world."},
+             {"id": "f2", "text": "Angel Falls in Venezuela is the tallest uninterrupted waterfall on the Earth."},
+             {"id": "h2", "text": "The Mariana Trench in the Pacific Ocean is the deepest part of all oceans."}]
+    return docs
+
+
+def test_12_passages_4_near_duplicates(client):
+    q = [{"role": "user", "content": "Which lake is the deepest in the world?"}]
+    r = _ok(client.post(CHAT, json={"messages": q, "documents": passages12(), "top_k_documents": 3,
+                                    "max_tokens": 12, "temperature": 0, "cache": False}))
+    rep = r["usage"]["leanserve"]
+    assert {d["id"]: d["duplicate_of"] for d in rep["documents_duplicates"]} == \
+        {"b2": "b", "d2": "d", "f2": "f", "h2": "h"}
+    assert rep["documents_used"][0] == "d" and len(rep["documents_used"]) == 3
+    assert len(rep["documents_dropped"]) == 8 - 3
+    assert rep["prompt_tokens_sent"] > r["usage"]["prompt_tokens"]
+    # a token budget: the kept passages fit it
+    b = _ok(client.post(CHAT, json={"messages": q, "documents": passages12(), "max_context_tokens": 40,
+                                    "max_tokens": 2, "cache": False}))
+    assert b["usage"]["leanserve"]["documents_used"][0] == "d" and len(b["usage"]["leanserve"]["documents_used"]) <= 3
+
+
+# --------------------------------------------------------------------------------------------- answer cache
+def test_repeated_deterministic_request_is_served_from_the_cache(server, client):
+    body = {"messages": [{"role": "user", "content": "Name three colors of the rainbow."}], "max_tokens": 12,
+            "temperature": 0}
+    m0 = server.metrics()
+    r1 = client.post(CHAT, json=body)
+    r2 = client.post(CHAT, json=body)
+    assert r1.headers["x-leanserve-cache"] == "miss" and r2.headers["x-leanserve-cache"] == "hit"
+    a, b = _ok(r1), _ok(r2)
+    assert a["choices"] == b["choices"]
+    assert {k: v for k, v in a["usage"].items() if k != "leanserve"} == \
+        {k: v for k, v in b["usage"].items() if k != "leanserve"}
+    assert a["usage"]["leanserve"]["cache"] == "miss" and b["usage"]["leanserve"]["cache"] == "hit"
+    assert b["usage"]["leanserve"]["prompt_tokens_computed"] == 0
+    assert b["timings"]["ttft_ms"] < 10.0
+    m1 = server.metrics()
+    assert m1["leanserve:answer_cache_queries_total"] - m0.get("leanserve:answer_cache_queries_total", 0) == 2
+    hits = f'leanserve:answer_cache_hits_total{{kind="exact",model_name="{server.model}"}}'
+    assert m1[hits] - m0.get(hits, 0) == 1
+    # the engine never saw the hit
+    assert m1["vllm:request_success_total"] - m0["vllm:request_success_total"] == 1
+
+
+def test_a_replayed_stream_keeps_chunks_finish_reason_and_usage(client):
+    body = {"messages": [{"role": "user", "content": "Write a haiku about rain."}], "max_tokens": 10, "seed": 7,
+            "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
+    r1 = client.post(CHAT, json=body)
+    r2 = client.post(CHAT, json=body)
+    assert (r1.headers["x-leanserve-cache"], r2.headers["x-leanserve-cache"]) == ("miss", "hit")
+    c1, c2 = sse_chunks(r1.text), sse_chunks(r2.text)
+
+    def shape(chunks):
+        return [([{k: v for k, v in ch.items()} for ch in c["choices"]],
+                 {k: v for k, v in (c["usage"] or {}).items() if k != "leanserve"}) for c in chunks]
+
+    assert shape(c1) == shape(c2) and len(c1) >= 4
+    assert c2[-1]["usage"]["leanserve"]["cache"] == "hit"
+    assert c1[-2]["choices"][0]["finish_reason"] == c2[-2]["choices"][0]["finish_reason"] == "length"
+    # the non-streaming form of the same request is the same answer, from the same entry
+    whole = client.post(CHAT, json={**body, "stream": False, "stream_options": None})
+    assert whole.headers["x-leanserve-cache"] == "hit"
+    assert whole.json()["choices"][0]["message"]["content"] == "".join(
+        ch["delta"].get("content", "") for c in c1 for ch in c["choices"])
+
+
+@pytest.mark.parametrize("change", [
+    {"max_tokens": 7}, {"stop": ["blue"]}, {"seed": 3}, {"logprobs": True, "top_logprobs": 1},
+    {"temperature": 0.5, "seed": 1}, {"top_p": 0.5}, {"presence_penalty": 0.5}, {"min_tokens": 2},
+    {"messages": [{"role": "system", "content": "Be terse."},
+                  {"role": "user", "content": "Name two primary colors."}]},
+])
+def test_any_change_misses(client, change):
+    base = {"messages": [{"role": "user", "content": "Name two primary colors."}], "max_tokens": 6,
+            "temperature": 0}
+    client.post(CHAT, json=base)
+    assert client.post(CHAT, json=base).headers["x-leanserve-cache"] == "hit"
+    assert client.post(CHAT, json={**base, **change}).headers["x-leanserve-cache"] == "miss"
+
+
+def test_other_api_key_misses_and_sampling_without_seed_is_never_cached(server, client):
+    body = {"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 5, "temperature": 0}
+    client.post(CHAT, json=body)
+    assert client.post(CHAT, json=body).headers["x-leanserve-cache"] == "hit"
+    other = client.post(CHAT, json=body, headers={"Authorization": f"Bearer {OTHER_KEY}"})
+    assert other.headers["x-leanserve-cache"] == "miss"
+    sampled = {**body, "temperature": 0.9}
+    for _ in range(2):
+        r = client.post(CHAT, json=sampled)
+        assert "x-leanserve-cache" not in r.headers and r.json()["usage"]["leanserve"]["cache"] == "bypass"
+    off = client.post(CHAT, json={**body, "cache": False})
+    assert "x-leanserve-cache" not in off.headers and off.json()["usage"]["leanserve"]["cache"] == "bypass"
+
+
+def test_completions_are_cached_too(client):
+    body = {"prompt": "The capital of Italy is", "max_tokens": 4, "temperature": 0}
+    a, b = client.post(COMPLETIONS, json=body), client.post(COMPLETIONS, json=body)
+    assert (a.headers["x-leanserve-cache"], b.headers["x-leanserve-cache"]) == ("miss", "hit")
+    assert a.json()["choices"] == b.json()["choices"]
