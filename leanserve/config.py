@@ -18,7 +18,7 @@ from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
 DTYPES = ("float32", "bfloat16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-ANSWER_CACHE_MODES = ("off", "exact")
+ANSWER_CACHE_MODES = ("off", "exact", "semantic")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
 # for leanserve's block kernels (or, without native kernels, the projections in torch's packed int4/int8 layouts)
@@ -306,10 +306,13 @@ class ServerConfig:
     max_context_tokens: int | None = option(None, "token budget of a request's documents (RAG passages)", type=int)
     top_k_documents: int | None = option(None, "most documents (RAG passages) kept per request", type=int)
     answer_cache: str = option("off", "answer cache of deterministic requests (temperature 0 or a seed), per API "
-                               "key: off or exact", choices=ANSWER_CACHE_MODES)
+                               "key: off, exact, or semantic (exact, then a similar last user message in the "
+                               "same context)", choices=ANSWER_CACHE_MODES)
     answer_cache_bytes: int = option(64 << 20, "size bound of the answer cache", type=int, metavar="BYTES")
     answer_cache_ttl: float = option(600.0, "seconds an answer stays in the answer cache", type=float,
                                      metavar="SECONDS")
+    answer_cache_similarity: float = option(0.9, "semantic answer cache: least cosine similarity of the last user "
+                                            "messages for a hit", type=float)
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
@@ -317,6 +320,10 @@ class ServerConfig:
         _check_choice("answer_cache", self.answer_cache, ANSWER_CACHE_MODES)
         _check_int("answer_cache_bytes", self.answer_cache_bytes, 1)
         _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)
+        if isinstance(self.answer_cache_similarity, bool) or not isinstance(self.answer_cache_similarity, int | float) \
+                or not 0.0 < self.answer_cache_similarity <= 1.0:
+            raise InvalidParameterError("answer_cache_similarity", "answer_cache_similarity must be in (0, 1], got "
+                                        f"{self.answer_cache_similarity!r}")
         _check_int("port", self.port, 0)
         if self.port > 65535:
             raise InvalidParameterError("port", f"port must be in 0-65535, got {self.port}")

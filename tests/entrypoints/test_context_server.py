@@ -1,4 +1,5 @@
-"""The context policies and the answer cache through a real server (one per module, answer cache on, two keys)."""
+"""The context policies and the answer cache through a real server (one per module; semantic answer cache, which
+includes the exact one; two API keys)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ OTHER_KEY = "other-key"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["--kv-cache-memory", str(256 << 20), "--max-model-len", "2048", "--answer-cache", "exact",
+    srv = ServerProcess(["--kv-cache-memory", str(256 << 20), "--max-model-len", "2048", "--answer-cache", "semantic",
                          "--api-key", OTHER_KEY]).start()
     yield srv
     assert srv.stop() == 0, srv.stderr()
@@ -225,3 +226,22 @@ def test_completions_are_cached_too(client):
     a, b = client.post(COMPLETIONS, json=body), client.post(COMPLETIONS, json=body)
     assert (a.headers["x-leanserve-cache"], b.headers["x-leanserve-cache"]) == ("miss", "hit")
     assert a.json()["choices"] == b.json()["choices"]
+
+
+def test_semantic_cache_hits_a_paraphrase_not_a_near_miss(server, client):
+    def ask(question, **kw):
+        body = {"messages": [{"role": "system", "content": "You answer for the help desk."},
+                             {"role": "user", "content": question}], "max_tokens": 6, "temperature": 0, **kw}
+        return client.post(CHAT, json=body)
+
+    m0 = server.metrics()
+    first = ask("How do I reset my password?")
+    assert first.headers["x-leanserve-cache"] == "miss"
+    para = ask("How can I reset my password?")
+    assert para.headers["x-leanserve-cache"] == "hit"
+    assert para.json()["choices"] == first.json()["choices"]
+    assert ask("How do I reset my router?").headers["x-leanserve-cache"] == "miss"  # another object
+    assert ask("How can I not reset my password?").headers["x-leanserve-cache"] == "miss"  # a negation
+    assert ask("How can I reset my password?", max_tokens=5).headers["x-leanserve-cache"] == "miss"  # parameters
+    semantic = f'leanserve:answer_cache_hits_total{{kind="semantic",model_name="{server.model}"}}'
+    assert server.metrics()[semantic] - m0.get(semantic, 0) == 1

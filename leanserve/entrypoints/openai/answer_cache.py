@@ -10,7 +10,13 @@ step; when it finishes with no choice aborted, its final outputs and the step bo
 replays the same snapshots without the engine, so a replayed stream has the live one's chunk structure, finish
 reasons and usage, whichever of stream / non-stream filled the entry. Responses carry ``x-leanserve-cache:
 hit|miss`` and ``usage.leanserve.cache``; ``leanserve:answer_cache_queries_total`` and
-``leanserve:answer_cache_hits_total{kind="exact"}`` count lookups and hits.
+``leanserve:answer_cache_hits_total{kind}`` count lookups and hits.
+
+The semantic cache (``--answer-cache semantic``) adds, for a chat request whose exact key missed: the answer of
+an earlier question asked in the same context (same tenant, model, messages but the last user message, policy
+fields and parameters) whose embedding is at least ``--answer-cache-similarity`` similar and whose numbers,
+negations and named entities are the same (:mod:`leanserve.context.semantic`). Its hits count as
+``kind="semantic"``.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import dataclasses
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from leanserve import metric_names as names
 from leanserve.context.answer_cache import AnswerCache, cache_key, is_deterministic
+from leanserve.context.semantic import DEFAULT_THRESHOLD, SemanticIndex, WordLlamaEmbedder, guard_signature
 from leanserve.engine.admission import AdmittedRequest
 from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -37,10 +45,12 @@ class ServingAnswerCache:
     """The answer cache of one served model, with its metrics in ``registry``."""
 
     def __init__(self, model_name: str, max_bytes: int, ttl: float, registry: CollectorRegistry | None = None,
-                 kind: str = "exact") -> None:
+                 semantic: bool = False, threshold: float = DEFAULT_THRESHOLD) -> None:
         self.model_name = model_name
-        self.kind = kind
         self.cache = AnswerCache(max_bytes, ttl)
+        self.threshold = threshold
+        self.embedder = WordLlamaEmbedder() if semantic else None
+        self.index = SemanticIndex() if semantic else None
         self.queries = Counter(names.ANSWER_CACHE_QUERIES, "answer cache lookups", [names.MODEL_NAME_LABEL],
                                registry=registry)
         self.hits = Counter(names.ANSWER_CACHE_HITS, "answer cache hits", [names.MODEL_NAME_LABEL,
@@ -51,20 +61,55 @@ class ServingAnswerCache:
 
     def key(self, raw_request: Request, endpoint: str, admitted: AdmittedRequest) -> bytes:
         tenant = raw_request.scope.get(TENANT_KEY)
-        params = {k: v for k, v in dataclasses.asdict(admitted.params).items() if k != "speculative"}
         return cache_key(getattr(tenant, "name", None), self.model_name, endpoint, admitted.prompt_token_ids,
-                         admitted.max_tokens, params)
+                         admitted.max_tokens, _params(admitted))
 
-    def lookup(self, key: bytes, arrival: float, admitted: AdmittedRequest) -> CachedStream | None:
+    def lookup(self, key: bytes, arrival: float, admitted: AdmittedRequest,
+               semantic: SemanticQuery | None = None) -> CachedStream | None:
+        """The cached answer under ``key``, else (semantic cache) the answer of a similar question in the same
+        context; counts the lookup and the hit in the metrics."""
         self.queries.labels(self.model_name).inc()
-        payload = self.cache.get(key)
+        payload, kind = self.cache.get(key), "exact"
+        if payload is None and semantic is not None and self.index is not None:
+            found = self.index.match(semantic.context_key, semantic.vector, semantic.signature, self.threshold)
+            if found is not None:
+                payload, kind = self.cache.get(found[0]), "semantic"
+                if payload is None:
+                    self.index.discard(found[0])
         if payload is None:
             return None
-        self.hits.labels(self.model_name, "exact").inc()
+        self.hits.labels(self.model_name, kind).inc()
         return CachedStream(pickle.loads(payload), admitted.prompt_token_ids, arrival)
 
-    def recording(self, stream: Any, key: bytes) -> RecordingStream:
-        return RecordingStream(stream, lambda record: self.cache.put(key, pickle.dumps(record, protocol=5)))
+    def semantic_query(self, raw_request: Request, endpoint: str, admitted: AdmittedRequest, query: str,
+                       context: Any) -> SemanticQuery | None:
+        """The semantic cache's view of a request: its question embedded, and the key of everything else
+        (``context``: the messages but the question, the policies' fields; plus tenant, model, parameters)."""
+        if self.embedder is None:
+            return None
+        tenant = raw_request.scope.get(TENANT_KEY)
+        context_key = cache_key(getattr(tenant, "name", None), self.model_name, endpoint, context,
+                                admitted.params.max_tokens, _params(admitted))
+        return SemanticQuery(context_key, self.embedder.embed([query])[0], guard_signature(query))
+
+    def recording(self, stream: Any, key: bytes, semantic: SemanticQuery | None = None) -> RecordingStream:
+        def store(record: dict[str, Any]) -> None:
+            if self.cache.put(key, pickle.dumps(record, protocol=5)) and semantic is not None \
+                    and self.index is not None:
+                self.index.add(key, semantic.context_key, semantic.vector, semantic.signature)
+
+        return RecordingStream(stream, store)
+
+
+@dataclass(frozen=True)
+class SemanticQuery:
+    context_key: bytes
+    vector: Any  # numpy (dim,) float32, L2-normalized
+    signature: Any  # guard_signature of the question
+
+
+def _params(admitted: AdmittedRequest) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(admitted.params).items() if k != "speculative"}
 
 
 def answer_cache_of(raw_request: Request) -> ServingAnswerCache | None:
@@ -72,11 +117,12 @@ def answer_cache_of(raw_request: Request) -> ServingAnswerCache | None:
 
 
 async def submit(raw_request: Request, endpoint: str, admitted: list[AdmittedRequest], arrival: float,
-                 use_cache: bool, add: Callable[[list[AdmittedRequest]], Awaitable[list[Any]]]
-                 ) -> tuple[list[Any], str | None]:
+                 use_cache: bool, add: Callable[[list[AdmittedRequest]], Awaitable[list[Any]]],
+                 question: tuple[str, Any] | None = None) -> tuple[list[Any], str | None]:
     """The request's streams, from the cache where it hits and from ``add`` (``serving_common.add_all``) for the
     rest; and the verdict: None (no cache), "bypass" (``cache: false`` or not deterministic), "hit" (all
-    prompts hit) or "miss"."""
+    prompts hit) or "miss". ``question``: (the last user message, the rest of the context) of a chat request,
+    for the semantic cache."""
     cache = answer_cache_of(raw_request)
     if cache is None:
         return await add(admitted), None
@@ -84,12 +130,15 @@ async def submit(raw_request: Request, endpoint: str, admitted: list[AdmittedReq
     if not use_cache or not is_deterministic(params.temperature, params.seed):
         return await add(admitted), "bypass"
     keys = [cache.key(raw_request, endpoint, a) for a in admitted]
-    hits = [cache.lookup(k, arrival, a) for k, a in zip(keys, admitted, strict=True)]
+    sem = None
+    if question is not None and len(admitted) == 1:
+        sem = cache.semantic_query(raw_request, endpoint, admitted[0], question[0], question[1])
+    hits = [cache.lookup(k, arrival, a, sem) for k, a in zip(keys, admitted, strict=True)]
     misses = [i for i, h in enumerate(hits) if h is None]
     live = await add([admitted[i] for i in misses]) if misses else []
     streams: list[Any] = list(hits)
     for i, s in zip(misses, live, strict=True):
-        streams[i] = cache.recording(s, keys[i])
+        streams[i] = cache.recording(s, keys[i], sem)
     return streams, "miss" if misses else "hit"
 
 

@@ -91,7 +91,8 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               tenants: TenantRegistry | None = None, limits: RequestLimits | None = None,
               stall_timeout: float = 10.0, context: ContextSettings | None = None,
-              answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0) -> FastAPI:
+              answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0,
+              answer_cache_semantic: bool = False, answer_cache_similarity: float = 0.9) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``.
 
     Args:
@@ -102,6 +103,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         context: server-wide defaults of the context policies (``context_policies.py``); None: all off.
         answer_cache_bytes: size bound of the exact answer cache (``answer_cache.py``); None: no answer cache.
         answer_cache_ttl: seconds an answer stays valid in it.
+        answer_cache_semantic: also match similar last user messages (at ``answer_cache_similarity``).
 
     The app has its own metrics registry (registered as an observer of ``engine``); its lifespan shuts the
     engine down when the server stops.
@@ -132,7 +134,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.limits = limits
     app.state.context = context or ContextSettings()
     app.state.answer_cache = None if answer_cache_bytes is None else ServingAnswerCache(
-        served_model_name, answer_cache_bytes, answer_cache_ttl, metrics.registry)
+        served_model_name, answer_cache_bytes, answer_cache_ttl, metrics.registry, answer_cache_semantic,
+        answer_cache_similarity)
     app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
     openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
@@ -362,7 +365,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                     stall_timeout=sc.engine_stall_timeout,
                     context=ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents),
                     answer_cache_bytes=None if sc.answer_cache == "off" else sc.answer_cache_bytes,
-                    answer_cache_ttl=sc.answer_cache_ttl)
+                    answer_cache_ttl=sc.answer_cache_ttl, answer_cache_semantic=sc.answer_cache == "semantic",
+                    answer_cache_similarity=sc.answer_cache_similarity)
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
                             lifespan="on")
     server = LeanserveServer(config, engine,

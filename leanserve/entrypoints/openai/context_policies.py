@@ -127,3 +127,14 @@ def _trim(messages, tokenizer, max_prompt, keep_last, gen, kwargs):
 
     return trim_history(messages, WithKwargs(), max_prompt_tokens=max_prompt, keep_last_turns=keep_last,
                         add_generation_prompt=gen)
+
+
+def question_of(req: ChatCompletionRequest) -> tuple[str, Any] | None:
+    """(the last message's text, everything else that shapes the prompt) when the last message is the user's:
+    the semantic answer cache's query and context."""
+    if req.messages[-1].role != "user":
+        return None
+    rest = [m.to_template_dict() for m in req.messages[:-1]]
+    fields = req.model_dump(include={"documents", "max_prompt_tokens", "keep_last_turns", "max_context_tokens",
+                                     "top_k_documents", "reorder_documents", "add_generation_prompt"})
+    return req.messages[-1].to_template_dict()["content"], [rest, fields]

@@ -15,7 +15,13 @@ from collections.abc import AsyncIterator
 
 from leanserve.engine.async_engine import AsyncEngine
 from leanserve.entrypoints.openai import answer_cache
-from leanserve.entrypoints.openai.context_policies import ContextSettings, RequestContext, render_chat, settings_of
+from leanserve.entrypoints.openai.context_policies import (
+    ContextSettings,
+    RequestContext,
+    question_of,
+    render_chat,
+    settings_of,
+)
 from leanserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -99,7 +105,8 @@ class OpenAIServingChat:
         ctx.admitted(len(prompt_ids), len(admitted[0].prompt_token_ids), params.truncate_prompt_tokens)
         (stream,), ctx.cache = await answer_cache.submit(
             raw_request, "chat", admitted, arrival, req.cache,
-            lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)))
+            lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)),
+            question_of(req))
         created = int(time.time())
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:

@@ -1,0 +1,136 @@
+"""The semantic answer cache's matching: an embedding of the new question against those of cached questions
+asked in the same context, behind a lexical guard.
+
+- **Embedding**: WordLlama (``wordllama`` on PyPI, numpy only; the 256-dimension ``l2_supercat`` weights and its
+  tokenizer ship inside the package; loaded with downloads disabled, so nothing is fetched at run time), cosine
+  similarity of the L2-normalized vectors.
+- **Guard** (:func:`guard_signature`): a bag-of-words embedding barely moves when one word changes, yet "after
+  30 days" / "after 60 days", "can I" / "can't I" and "to Canada" / "to Mexico" need other answers. Two
+  questions may match only if they have the same numbers (digits, and number words as digits), the same count of
+  negations (not, no, never, without, n't, ...) and the same capitalized words after the first (named entities).
+- **Match** (:class:`SemanticIndex`): the most similar cached question whose guard signature is equal and whose
+  context key (everything else: system prompt, earlier turns, parameters) is the same, if its similarity is at
+  least the threshold.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from leanserve.errors import ModelLoadError
+
+import numpy as np
+
+NEGATIONS = frozenset("not no never none nobody nothing nowhere neither nor without cannot".split())
+NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+NUMBER_WORDS.update({"thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80",
+                     "ninety": "90", "hundred": "100", "thousand": "1000", "million": "1000000"})
+_TOKEN = re.compile(r"[A-Za-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+DEFAULT_THRESHOLD = 0.9
+
+
+def guard_signature(text: str) -> tuple[tuple[str, ...], int, tuple[str, ...]]:
+    """(numbers, negation count, named entities) of ``text``: two questions may share an answer only if these
+    are equal. Numbers keep their order; entities are the capitalized words after the first word (and any word
+    with a capital past its first letter or a digit), lower-cased, possessives stripped, as a sorted tuple."""
+    tokens = _TOKEN.findall(text)
+    numbers, negations, entities = [], 0, set()
+    for i, tok in enumerate(tokens):
+        low = tok.lower()
+        if low.endswith("n't"):
+            negations += 1
+            continue
+        if low in NEGATIONS:
+            negations += 1
+            continue
+        if tok[0].isdigit():
+            numbers.append(tok.replace(",", ""))
+            continue
+        if low in NUMBER_WORDS:
+            numbers.append(NUMBER_WORDS[low])
+            continue
+        word = tok[:-2] if low.endswith("'s") else tok
+        if (i > 0 and word[0].isupper() and word != "I") or any(c.isupper() for c in word[1:]):
+            entities.add(word.lower())
+    return tuple(numbers), negations, tuple(sorted(entities))
+
+
+class WordLlamaEmbedder:
+    """Sentence embeddings from the ``wordllama`` package's bundled weights (no download).
+
+    Raises:
+        ModelLoadError: the package is not installed or its bundled files are missing.
+    """
+
+    def __init__(self) -> None:
+        try:
+            import pathlib
+
+            import wordllama
+            from wordllama import WordLlama
+        except ImportError as exc:  # pragma: no cover - a dependency of the project
+            raise ModelLoadError(f"the semantic answer cache needs the wordllama package: {exc}") from None
+        package = pathlib.Path(wordllama.__file__).parent  # its weights/ and tokenizers/ folders: no download
+        try:
+            self._model = WordLlama.load(cache_dir=package, disable_download=True)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load wordllama's bundled model: {exc}") from None
+        self._lock = threading.Lock()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), 256) float32, each row of L2 norm 1 (0 for an empty text)."""
+        with self._lock:
+            v = np.asarray(self._model.embed(texts), dtype=np.float32)
+        norms = np.linalg.norm(v, axis=1, keepdims=True)
+        return v / np.where(norms == 0, 1.0, norms)
+
+
+class SemanticIndex:
+    """Cached questions' vectors by context key; at most ``max_entries`` (the oldest go first). Thread-safe."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, tuple[bytes, np.ndarray, Any]] = OrderedDict()  # entry key -> ...
+        self._by_context: dict[bytes, set[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry_key: bytes, context_key: bytes, vector: np.ndarray, signature: Any) -> None:
+        with self._lock:
+            if entry_key in self._entries:
+                self._drop(entry_key)
+            while len(self._entries) >= self.max_entries:
+                self._drop(next(iter(self._entries)))
+            self._entries[entry_key] = (context_key, vector, signature)
+            self._by_context.setdefault(context_key, set()).add(entry_key)
+
+    def _drop(self, entry_key: bytes) -> None:
+        context_key, _, _ = self._entries.pop(entry_key)
+        keys = self._by_context[context_key]
+        keys.discard(entry_key)
+        if not keys:
+            del self._by_context[context_key]
+
+    def match(self, context_key: bytes, vector: np.ndarray, signature: Any, threshold: float
+              ) -> tuple[bytes, float] | None:
+        """(entry key, similarity) of the best cached question of that context with the same guard signature,
+        if its similarity reaches ``threshold``; else None."""
+        with self._lock:
+            keys = [k for k in self._by_context.get(context_key, ()) if self._entries[k][2] == signature]
+            if not keys:
+                return None
+            sims = np.stack([self._entries[k][1] for k in keys]) @ vector
+        best = int(np.argmax(sims))
+        return (keys[best], float(sims[best])) if sims[best] >= threshold else None
+
+    def discard(self, entry_key: bytes) -> None:
+        with self._lock:
+            if entry_key in self._entries:
+                self._drop(entry_key)
