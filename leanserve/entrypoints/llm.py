@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from leanserve.config import EngineConfig
+from leanserve.context.chat import PreparedChat, prepare_chat
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.errors import InvalidParameterError
 from leanserve.loader import LoadedModel
@@ -44,6 +45,7 @@ class LLM:
                  **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded, device=device)
         self._ids = itertools.count()
+        self.last_chat_context: list[PreparedChat] = []
 
     def get_tokenizer(self):
         """The model's :class:`leanserve.tokenizer.Tokenizer`."""
@@ -67,15 +69,34 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             documents: Sequence[dict[str, str]] | None = None, max_context_tokens: int | None = None,
+             top_k_documents: int | None = None, reorder_documents: bool = True,
+             max_prompt_tokens: int | None = None, keep_last_turns: int | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them, applying the
-        model's chat template."""
+        model's chat template.
+
+        The context options are the server's (``leanserve.context.prepare_chat``): ``documents`` (``[{"id",
+        "text"}]``, de-duplicated, ranked by BM25 against the last user message, kept under
+        ``max_context_tokens`` / ``top_k_documents``, reordered unless ``reorder_documents`` is False), then
+        ``max_prompt_tokens`` / ``keep_last_turns`` (the oldest turns dropped; system messages and the latest user
+        turn stay); ``truncate_prompt_tokens`` is a field of ``SamplingParams``. What they did, per conversation,
+        is in :attr:`last_chat_context` (:class:`~leanserve.context.PreparedChat`: dropped message indexes,
+        passage ids used / dropped / duplicates, prompt tokens as sent).
+
+        Raises:
+            InvalidParameterError: a bad option or conversation; ContextLengthExceededError: a conversation that
+                does not fit its budget even after its policy.
+        """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt),
-                              add_special_tokens=False) for conv in messages]
-        return self._run(prompts, sampling_params, use_tqdm)
+        prepared = [prepare_chat(list(conv), tok, documents=documents, max_context_tokens=max_context_tokens,
+                                 top_k_documents=top_k_documents, reorder_documents=reorder_documents,
+                                 max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
+                                 add_generation_prompt=add_generation_prompt) for conv in messages]
+        self.last_chat_context = prepared
+        return self._run([p.prompt_token_ids for p in prepared], sampling_params, use_tqdm)
 
     @staticmethod
     def _prompt_of(p: PromptType) -> str | list[int]:

@@ -96,3 +96,23 @@ def test_memory_within_bound_under_10000_distinct_requests():
     assert peak_accounted <= bound and cache.evictions > 9000
     assert held <= bound, held
     assert cache.nbytes == sum(e.nbytes for e in cache._entries.values())
+
+
+def test_llm_chat_takes_the_context_options(llm):
+    """LLM.chat runs the server's policies: what the server would send is what the engine computes."""
+    from leanserve.context import prepare_chat
+
+    docs = [{"id": "x", "text": "Lake Baikal is the deepest lake."}, {"id": "y", "text": "Lake Baikal is the "
+                                                                                        "deepest lake!"},
+            {"id": "z", "text": "The Nile is a long river."}]
+    conv = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Which lake is the deepest?"}]
+    out = llm.chat(conv, SamplingParams(max_tokens=2, temperature=0), documents=docs, top_k_documents=1,
+                   keep_last_turns=1)
+    (ctx,) = llm.last_chat_context
+    assert ctx.documents_used == ["x"] and ctx.documents_duplicates == {"y": "x"} and ctx.documents_dropped == ["z"]
+    assert ctx.dropped_messages == [1, 2]
+    expected = prepare_chat(conv, llm.get_tokenizer(), documents=docs, top_k_documents=1, keep_last_turns=1)
+    assert out[0].prompt_token_ids == expected.prompt_token_ids
+    assert ctx.prompt_tokens_sent > len(out[0].prompt_token_ids)

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanserve.context.history import count_tokens, trim_history
-from leanserve.context.passages import as_passages, build_messages, last_user_text, select_passages
+from leanserve.context.chat import prepare_chat
 from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, ContextUsage, DuplicateDocument
 from leanserve.entrypoints.openai.serving_common import to_openai_error
 from leanserve.errors import InvalidParameterError
@@ -76,57 +75,30 @@ def _pick(value: int | None, default: int | None) -> int | None:
 
 def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSettings) -> tuple[list[int],
                                                                                                  RequestContext]:
-    """Token ids of the chat request after its passage and history policies, and what they did.
+    """Token ids of the chat request after its passage and history policies
+    (:func:`leanserve.context.chat.prepare_chat`), and what they did.
 
     Raises:
         OpenAIError: 400 for a template error, a bad budget, or a conversation whose pinned part (system
             messages, latest user turn with its passages) exceeds ``max_prompt_tokens``.
     """
-    ctx = RequestContext()
-    messages = [m.to_template_dict() for m in req.messages]
-    kwargs: dict[str, Any] = {}
-    gen = req.add_generation_prompt
-    max_prompt = _pick(req.max_prompt_tokens, settings.max_prompt_tokens)
+    documents = None if req.documents is None else [{"id": d.id, "text": d.text} for d in req.documents]
     try:
-        if req.documents is not None:
-            ctx.active = True
-            docs = [{"id": d.id, "text": d.text} for d in req.documents]
-            sel = select_passages(last_user_text(messages), docs, tokenizer,
-                                  max_context_tokens=_pick(req.max_context_tokens, settings.max_context_tokens),
-                                  top_k=_pick(req.top_k_documents, settings.top_k_documents),
-                                  reorder=req.reorder_documents)
-            all_msgs, all_kwargs = build_messages(messages, as_passages(docs), tokenizer)
-            ctx.prompt_tokens_sent = count_tokens(tokenizer, all_msgs, gen, **all_kwargs)
-            messages, kwargs = build_messages(messages, sel.used, tokenizer)
-            ctx.documents_used, ctx.documents_dropped = sel.used_ids, sel.dropped
-            ctx.documents_duplicates = sel.duplicates
-        if max_prompt is not None or req.keep_last_turns is not None:
-            ctx.active = True
-            trimmed = _trim(messages, tokenizer, max_prompt, req.keep_last_turns, gen, kwargs)
-            ctx.dropped_messages = trimmed.dropped
-            if ctx.prompt_tokens_sent is None:
-                ctx.prompt_tokens_sent = trimmed.num_tokens_sent
-            messages = trimmed.messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=gen, **kwargs)
+        prepared = prepare_chat(
+            [m.to_template_dict() for m in req.messages], tokenizer, documents=documents,
+            max_context_tokens=_pick(req.max_context_tokens, settings.max_context_tokens),
+            top_k_documents=_pick(req.top_k_documents, settings.top_k_documents),
+            reorder_documents=req.reorder_documents,
+            max_prompt_tokens=_pick(req.max_prompt_tokens, settings.max_prompt_tokens),
+            keep_last_turns=req.keep_last_turns, add_generation_prompt=req.add_generation_prompt)
     except InvalidParameterError as exc:
         raise to_openai_error(exc) from None
-    return tokenizer.encode(text, add_special_tokens=False), ctx
-
-
-def _trim(messages, tokenizer, max_prompt, keep_last, gen, kwargs):
-    if not kwargs:
-        return trim_history(messages, tokenizer, max_prompt_tokens=max_prompt, keep_last_turns=keep_last,
-                            add_generation_prompt=gen)
-
-    class WithKwargs:  # a template that renders documents gets them on every count
-        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
-            return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs, **kw)
-
-        def encode(self, text, add_special_tokens=True):
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    return trim_history(messages, WithKwargs(), max_prompt_tokens=max_prompt, keep_last_turns=keep_last,
-                        add_generation_prompt=gen)
+    ctx = RequestContext(active=prepared.active, dropped_messages=prepared.dropped_messages,
+                         documents_used=prepared.documents_used, documents_dropped=prepared.documents_dropped,
+                         documents_duplicates=prepared.documents_duplicates)
+    if prepared.active:
+        ctx.prompt_tokens_sent = prepared.prompt_tokens_sent
+    return prepared.prompt_token_ids, ctx
 
 
 def question_of(req: ChatCompletionRequest) -> tuple[str, Any] | None:
