@@ -44,11 +44,12 @@ class RequestResult:
     usage_reported: bool = False
     generated_text: str = ""
     error: str = ""
+    answer_cache: str | None = None  # leanserve's usage.leanserve.cache: "hit", "miss" or "bypass", when given
 
 
 def build_payload(req: BenchRequest, model: str, endpoint: str) -> dict[str, Any]:
     """The JSON body of a streaming request: greedy, exactly ``req.max_tokens`` tokens (``ignore_eos``), usage in
-    the stream.
+    the stream; then ``req.extra``'s fields.
 
     Raises:
         ValueError: ``endpoint`` is neither ``chat`` nor ``completions``.
@@ -61,6 +62,7 @@ def build_payload(req: BenchRequest, model: str, endpoint: str) -> dict[str, Any
         body["prompt"] = req.prompt
     else:
         raise ValueError(f"endpoint must be 'chat' or 'completions', got {endpoint!r}")
+    body.update(req.extra)
     return body
 
 
@@ -121,6 +123,7 @@ async def send_request(client: httpx.AsyncClient, req: BenchRequest, model: str,
                     result.usage_reported = True
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
                     result.prompt_tokens = int(usage.get("prompt_tokens") or req.prompt_len)
+                    result.answer_cache = (usage.get("leanserve") or {}).get("cache")
                     details = usage.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         result.cached_tokens = int(details["cached_tokens"])

@@ -57,6 +57,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-interval", type=float, default=0.5,
                    help="seconds between polls of the server's /metrics during the run (for peak KV usage)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--compare", default=None, choices=["documents", "answer-cache"],
+                   help="two variants side by side in one run (leanserve.bench.context_compare): knowledge-qa with "
+                        "passage selection off vs on, or customer-service (Zipf over 50 FAQs) with the server's "
+                        "answer cache off vs on (the server needs --answer-cache; rates from --sweep)")
+    p.add_argument("--top-k-documents", type=int, default=3, help="--compare documents: passages kept when on")
+    p.add_argument("--zipf-s", type=float, default=1.0, help="--compare answer-cache: Zipf exponent of the draw")
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
@@ -112,6 +118,9 @@ def run_bench(args: argparse.Namespace) -> int:
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
+    if args.compare is not None:
+        return _run_compare(args, config, corpus or Corpus.load(tokenizer), rates, count_tokens)
+
     if rates is None:
         runs = [run_benchmark(config, _requests_for(args, tokenizer, corpus, args.seed), label, count_tokens)]
         print_run(runs[0])
@@ -132,6 +141,24 @@ def run_bench(args: argparse.Namespace) -> int:
         payload = _sweep_payload(runs, label, slos, args.slo_attainment_goal)
     _write_outputs(args, runs, payload, label, sweep=rates is not None)
     return 0 if all(r.metrics.failed == 0 for r in runs) else 1
+
+
+def _run_compare(args: argparse.Namespace, config: BenchConfig, corpus: Corpus, rates: list[float] | None,
+                 count_tokens) -> int:
+    from leanserve.bench import context_compare
+
+    if args.compare == "documents":
+        rows = context_compare.compare_documents(config, corpus, args.num_prompts, args.seed, args.top_k_documents,
+                                                 count_tokens)
+        failed = sum(r["failed"] for r in rows.values())
+    else:
+        if not config.slos:
+            raise ValueError("--compare answer-cache needs --goodput SLOs (e.g. ttft:2000) for the sustained rate")
+        rows = context_compare.compare_answer_cache(config, corpus, args.num_prompts, args.seed, rates or [math.inf],
+                                                    args.slo_attainment_goal, args.zipf_s, count_tokens)
+        failed = sum(x["failed"] for r in rows.values() for x in r["runs"])
+    context_compare.write(args.result_json, {"compare": args.compare, "rows": rows})
+    return 0 if failed == 0 else 1
 
 
 def _sweep_payload(runs: Sequence[RunResult], label: str, slos: dict[str, float], goal: float) -> dict:

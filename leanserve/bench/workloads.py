@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from leanserve.bench.corpus import Corpus
 
@@ -70,12 +71,14 @@ class BenchRequest:
         prompt: the same text as one string (contents joined by a blank line) sent to /v1/completions.
         prompt_len: tokens of ``prompt`` under the workload's tokenizer.
         max_tokens: tokens to generate (sent with ``ignore_eos``, so the output has exactly this length).
+        extra: more fields of the request body, merged last (e.g. ``documents``, ``cache``, ``ignore_eos``).
     """
 
     messages: list[dict[str, str]]
     prompt: str
     prompt_len: int
     max_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
