@@ -51,6 +51,9 @@ REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 # --- leanserve's own gauges (exported only when torch sees CUDA) ------------------------------------------------
 GPU_MEMORY_ALLOCATED_BYTES = "leanserve:gpu_memory_allocated_bytes"
 GPU_MEMORY_RESERVED_BYTES = "leanserve:gpu_memory_reserved_bytes"
+# leanserve's answer cache: registered only with --answer-cache (so not in COUNTERS / HELP); read by `leanserve advise`
+ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter: deterministic requests looked up (--answer-cache)
+ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
 COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES,
@@ -104,8 +107,6 @@ GENERATION_TOKENS_ALIASES = ("llamacpp:tokens_predicted",)  # llama.cpp: counter
 LLAMACPP_PROMPT_SECONDS = "llamacpp:prompt_seconds"  # llama.cpp: counter, seconds spent on prompts (all slots)
 LLAMACPP_PREDICTED_SECONDS = "llamacpp:tokens_predicted_seconds"  # llama.cpp: counter, seconds spent generating
 LLAMACPP_BUSY_SLOTS_PER_DECODE = "llamacpp:n_busy_slots_per_decode"  # llama.cpp: gauge, mean batch of a decode
-ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter: deterministic requests looked up (--answer-cache)
-ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
 PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"  # prometheus_client's process collector: gauge
 
 

@@ -132,10 +132,14 @@ def context_too_long(s: Snapshot, setup: Setup) -> Recommendation:
         {"mean_prompt_tokens": _r(prompt), "p99_prompt_tokens": _r(_p(s.prompt_tokens, "p99")),
          "prefix_cache_hit_rate_pct": _pct(s.prefix_cache_hit_rate), "mean_prefill_ms": _r(prefill),
          "prefill_share_pct": _pct(s.prefill_share), "p50_ttft_ms": _r(ttft)},
-        f"client side (leanserve has no server-side context policy yet, issue 15): send fewer, de-duplicated "
-        f"retrieved passages (RAG top_k, rerank), trim or summarize old turns, and put fixed instructions first and "
-        f"byte-identical so the prefix cache serves them; aim under {th.LONG_PROMPT_TOKENS:.0f} tokens; measure with "
-        f"`leanserve bench --base-url {setup.base_url} --dataset trimmed.jsonl`",
+        (("server side: send retrieved passages as `documents` with `top_k_documents` / `max_context_tokens` "
+          "(de-duplicated, BM25-ranked) and chats with `max_prompt_tokens` (or `leanserve serve "
+          "--max-prompt-tokens N --top-k-documents K`); " if _has_option("max_prompt_tokens") else
+          "client side: send fewer, de-duplicated retrieved passages (RAG top_k, rerank), trim or summarize old "
+          "turns; ")
+         + f"put fixed instructions first and byte-identical so the prefix cache serves them; aim under "
+         f"{th.LONG_PROMPT_TOKENS:.0f} tokens; measure with `leanserve bench --base-url {setup.base_url} "
+         "--compare documents` or `--dataset trimmed.jsonl`"),
         f"halving the prompt saves at least half the prefill: ~{prefill / 2:.0f} ms of the {prefill:.0f} ms mean "
         + (f"(p50 TTFT {ttft:.0f} -> ~{after:.0f} ms)" if ttft is not None else "")
         + ", and halves the KV cache each request holds",

@@ -245,3 +245,22 @@ def test_semantic_cache_hits_a_paraphrase_not_a_near_miss(server, client):
     assert ask("How can I reset my password?", max_tokens=5).headers["x-leanserve-cache"] == "miss"  # parameters
     semantic = f'leanserve:answer_cache_hits_total{{kind="semantic",model_name="{server.model}"}}'
     assert server.metrics()[semantic] - m0.get(semantic, 0) == 1
+
+
+def test_identical_requests_at_once_run_once(server):
+    """Coalescing: four identical deterministic requests sent together: one runs, three wait for its answer."""
+    import asyncio
+
+    body = {"messages": [{"role": "user", "content": "List four kinds of trees."}], "max_tokens": 16,
+            "temperature": 0}
+
+    async def burst():
+        async with server.async_client() as c:
+            return await asyncio.gather(*(c.post(CHAT, json=body) for _ in range(4)))
+
+    m0 = server.metrics()
+    rs = asyncio.run(burst())
+    assert sorted(r.headers["x-leanserve-cache"] for r in rs) == ["hit", "hit", "hit", "miss"]
+    assert len({str(r.json()["choices"]) for r in rs}) == 1
+    m1 = server.metrics()
+    assert m1["vllm:request_success_total"] - m0["vllm:request_success_total"] == 1

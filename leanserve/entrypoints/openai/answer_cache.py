@@ -8,8 +8,10 @@ policies and truncation applied), the resolved ``max_tokens`` and every field of
 ``speculative`` (which does not change the output). A miss runs normally and its outputs are recorded step by
 step; when it finishes with no choice aborted, its final outputs and the step boundaries are stored. A hit
 replays the same snapshots without the engine, so a replayed stream has the live one's chunk structure, finish
-reasons and usage, whichever of stream / non-stream filled the entry. Responses carry ``x-leanserve-cache:
-hit|miss`` and ``usage.leanserve.cache``; ``leanserve:answer_cache_queries_total`` and
+reasons and usage, whichever of stream / non-stream filled the entry. A request whose identical twin is running
+(not yet cached) waits for it and replays its answer (request coalescing: a burst of one question runs once);
+if the twin ends without an answer (aborted, failed), the waiting request runs itself. Responses carry
+``x-leanserve-cache: hit|miss`` and ``usage.leanserve.cache``; ``leanserve:answer_cache_queries_total`` and
 ``leanserve:answer_cache_hits_total{kind}`` count lookups and hits.
 
 The semantic cache (``--answer-cache semantic``) adds, for a chat request whose exact key missed: the answer of
@@ -21,6 +23,7 @@ negations and named entities are the same (:mod:`leanserve.context.semantic`). I
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import pickle
 import time
@@ -51,10 +54,11 @@ class ServingAnswerCache:
         self.threshold = threshold
         self.embedder = WordLlamaEmbedder() if semantic else None
         self.index = SemanticIndex() if semantic else None
-        self.queries = Counter(names.ANSWER_CACHE_QUERIES, "answer cache lookups", [names.MODEL_NAME_LABEL],
-                               registry=registry)
-        self.hits = Counter(names.ANSWER_CACHE_HITS, "answer cache hits", [names.MODEL_NAME_LABEL,
-                            names.CACHE_KIND_LABEL], registry=registry)
+        self._pending: dict[bytes, asyncio.Future] = {}  # keys being answered now -> their record (or None)
+        self.queries = Counter(names.ANSWER_CACHE_QUERIES, "Deterministic requests looked up in the answer cache.",
+                               [names.MODEL_NAME_LABEL], registry=registry)
+        self.hits = Counter(names.ANSWER_CACHE_HITS, "Requests answered from the answer cache, by kind.",
+                            [names.MODEL_NAME_LABEL, names.CACHE_KIND_LABEL], registry=registry)
         self.queries.labels(model_name)
         for k in ("exact", "semantic"):
             self.hits.labels(model_name, k)
@@ -92,13 +96,42 @@ class ServingAnswerCache:
                                 admitted.params.max_tokens, _params(admitted))
         return SemanticQuery(context_key, self.embedder.embed([query])[0], guard_signature(query))
 
-    def recording(self, stream: Any, key: bytes, semantic: SemanticQuery | None = None) -> RecordingStream:
-        def store(record: dict[str, Any]) -> None:
-            if self.cache.put(key, pickle.dumps(record, protocol=5)) and semantic is not None \
-                    and self.index is not None:
-                self.index.add(key, semantic.context_key, semantic.vector, semantic.signature)
+    def claim(self, key: bytes) -> asyncio.Future | None:
+        """Mark ``key`` as being answered now (before the request is queued, so that identical requests arriving
+        meanwhile wait for it); None when another request already claimed it."""
+        if key in self._pending:
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        return future
 
-        return RecordingStream(stream, store)
+    def release(self, key: bytes, future: asyncio.Future, record: dict[str, Any] | None = None,
+                semantic: SemanticQuery | None = None) -> None:
+        """End a :meth:`claim`: store ``record`` (None: the request gave no answer) and wake the waiters."""
+        if record is not None and self.cache.put(key, pickle.dumps(record, protocol=5)) \
+                and semantic is not None and self.index is not None:
+            self.index.add(key, semantic.context_key, semantic.vector, semantic.signature)
+        if self._pending.get(key) is future:
+            del self._pending[key]
+        if not future.done():
+            future.set_result(record)
+
+    def recording(self, stream: Any, key: bytes, future: asyncio.Future,
+                  semantic: SemanticQuery | None = None) -> RecordingStream:
+        """``stream`` recorded into the cache under ``key`` (claimed with ``future``)."""
+        return RecordingStream(stream, lambda record: self.release(key, future, record, semantic))
+
+    async def follow(self, key: bytes, arrival: float, admitted: AdmittedRequest) -> CachedStream | None:
+        """When an identical request is running (its answer not yet cached), wait for it and replay its answer
+        (a hit); None when none is running or it ended without an answer (the caller runs the request)."""
+        future = self._pending.get(key)
+        if future is None:
+            return None
+        record = await asyncio.shield(future)
+        if record is None:
+            return None
+        self.hits.labels(self.model_name, "exact").inc()
+        return CachedStream(record, admitted.prompt_token_ids, arrival)
 
 
 @dataclass(frozen=True)
@@ -133,12 +166,22 @@ async def submit(raw_request: Request, endpoint: str, admitted: list[AdmittedReq
     sem = None
     if question is not None and len(admitted) == 1:
         sem = cache.semantic_query(raw_request, endpoint, admitted[0], question[0], question[1])
-    hits = [cache.lookup(k, arrival, a, sem) for k, a in zip(keys, admitted, strict=True)]
+    hits: list[Any] = [cache.lookup(k, arrival, a, sem) for k, a in zip(keys, admitted, strict=True)]
+    for i, h in enumerate(hits):  # an identical request in flight: wait for its answer (request coalescing)
+        if h is None and keys[i] in cache._pending:
+            hits[i] = await cache.follow(keys[i], arrival, admitted[i])
     misses = [i for i, h in enumerate(hits) if h is None]
-    live = await add([admitted[i] for i in misses]) if misses else []
+    claims = {i: cache.claim(keys[i]) for i in misses}
+    try:
+        live = await add([admitted[i] for i in misses]) if misses else []
+    except BaseException:
+        for i, future in claims.items():
+            if future is not None:
+                cache.release(keys[i], future)
+        raise
     streams: list[Any] = list(hits)
     for i, s in zip(misses, live, strict=True):
-        streams[i] = cache.recording(s, keys[i], sem)
+        streams[i] = s if claims[i] is None else cache.recording(s, keys[i], claims[i], sem)
     return streams, "miss" if misses else "hit"
 
 
@@ -150,28 +193,40 @@ def mark(response: Any, verdict: str | None) -> Any:
 
 
 class RecordingStream:
-    """A request stream passed through, recording each snapshot's boundaries; ``on_done(record)`` gets the
-    record when the request finished with no choice aborted."""
+    """A request stream passed through, recording each snapshot's boundaries. ``on_done`` is called once: with
+    the record when the request finished with no choice aborted, else with None (aborted, failed, or the
+    consumer stopped or closed it first)."""
 
-    def __init__(self, stream: Any, on_done: Callable[[dict[str, Any]], Any]) -> None:
+    def __init__(self, stream: Any, on_done: Callable[[dict[str, Any] | None], Any]) -> None:
         self._stream = stream
         self._on_done = on_done
+        self._settled = False
         self._steps: list[list[tuple[int, int, int, bool]]] = []
 
+    def _settle(self, record: dict[str, Any] | None) -> None:
+        if not self._settled:
+            self._settled = True
+            self._on_done(record)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        async for out in self._stream:
-            self._steps.append([(o.index, len(o.text), len(o.token_ids), o.finish_reason is not None)
-                                for o in out.outputs])
-            if out.finished and all(o.finish_reason not in (None, "abort") for o in out.outputs):
-                self._on_done({"steps": self._steps, "num_cached_tokens": out.num_cached_tokens,
-                               "outputs": [(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason,
-                                            o.logprobs, o.cumulative_logprob) for o in out.outputs]})
-            yield out
+        try:
+            async for out in self._stream:
+                self._steps.append([(o.index, len(o.text), len(o.token_ids), o.finish_reason is not None)
+                                    for o in out.outputs])
+                if out.finished and all(o.finish_reason not in (None, "abort") for o in out.outputs):
+                    self._settle({"steps": self._steps, "num_cached_tokens": out.num_cached_tokens,
+                                  "outputs": [(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                                               o.logprobs, o.cumulative_logprob) for o in out.outputs]})
+                yield out
+        finally:
+            self._settle(None)
 
     def abort(self) -> None:
+        self._settle(None)
         self._stream.abort()
 
     async def aclose(self) -> None:
+        self._settle(None)
         await self._stream.aclose()
 
     async def accepted(self) -> None:
