@@ -10,9 +10,10 @@
   accuracy (the expected answer appears in the reply, case-insensitive).
 - ``answer-cache`` (customer-service, answer cache on vs off; the server must run with ``--answer-cache``):
   :func:`faq_requests` writes 50 FAQ questions (shared system prompt, the FAQ entry, the question); each run
-  draws its requests from a Zipf distribution over them (rank k with weight 1 / k^s, s = 1.0). *Off* sends
+  draws the same requests from a Zipf distribution over them (rank k with weight 1 / k^s, s = 1.0). *Off* sends
   ``cache: false``. Each variant runs every rate of the sweep; each run starts cold (its system prompt names the
-  run, so no run reuses another's cache entries or prefix blocks). Reported per rate: the hit rate, p50/p99 TTFT
+  run, with a number unique to the invocation, so no run reuses another's cache entries or prefix blocks, not
+  even those of an earlier invocation against the same server). Reported per rate: the hit rate, p50/p99 TTFT
   and the SLO attainment; then the highest rate at which every rate up to it met the attainment goal.
 """
 
@@ -22,6 +23,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,13 +151,13 @@ def compare_answer_cache(config: BenchConfig, corpus: Corpus, n: int, seed: int,
     import dataclasses
 
     rows: dict[str, Any] = {}
-    run_index = 0
+    run_index = time.time_ns() // 1000 % 10**9  # runs of this invocation never meet a cache an earlier one filled
     for name, extra in (("answer cache off", {"cache": False}), ("answer cache on", {})):
         points, per_rate = [], []
         for i, rate in enumerate(rates):
             run_index += 1
-            faqs = faq_requests(corpus, run=seed * 1000 + run_index)
-            reqs = [dataclasses.replace(r, extra=dict(extra)) for r in zipf_draw(faqs, n, zipf_s, seed + i)]
+            faqs = faq_requests(corpus, run=run_index)
+            reqs = [dataclasses.replace(r, extra=dict(extra)) for r in zipf_draw(faqs, n, zipf_s, seed)]
             cfg = dataclasses.replace(config, request_rate=rate, seed=config.seed + i)
             run = run_benchmark(cfg, reqs, f"customer-service {name} rate={rate:g}", count_tokens)
             hits = sum(r.answer_cache == "hit" for r in run.results)

@@ -64,6 +64,7 @@ def test_truncate_prompt_tokens_on_both_endpoints(client):
     {"documents": [{"text": "no id"}]}, {"documents": [{"id": "a"}]}, {"documents": [{"id": 1, "text": "x"}]},
     {"documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]},
     {"max_prompt_tokens": 5},  # the system prompt and the question alone are longer
+    {"documents": [{"id": str(i), "text": "x"} for i in range(257)]},  # over the limit of 256
 ])
 def test_bad_values_are_400s(client, body):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of Peru?"}]

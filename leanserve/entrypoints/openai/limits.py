@@ -33,6 +33,7 @@ class RequestLimits:
     max_stop: int = 32  # stop strings
     max_stop_token_ids: int = 256
     max_tools: int = 128  # OpenAI's own limit (leanserve rejects tools anyway)
+    max_documents: int = 256  # RAG passages of one chat request (de-duplication compares every pair)
     max_token_ids: int = 1 << 17  # token ids of one /detokenize request
 
 
@@ -133,6 +134,7 @@ def check_lists(data: dict[str, Any], kind: str, limits: RequestLimits) -> None:
         bounds.append(("messages", limits.max_messages, "messages"))
     if kind == "chat":
         bounds.append(("tools", limits.max_tools, "tools"))
+        bounds.append(("documents", limits.max_documents, "documents"))
     if kind == "detokenize":
         bounds.append(("tokens", limits.max_token_ids, "token ids"))
     for name, limit, what in bounds:

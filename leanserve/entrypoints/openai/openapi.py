@@ -168,7 +168,7 @@ def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits
     for name, extra in _RANGES.items():
         if name in props:
             props[name].update(extra)
-    max_items = {"messages": limits.max_messages, "tokens": limits.max_token_ids}
+    max_items = {"messages": limits.max_messages, "tokens": limits.max_token_ids, "documents": limits.max_documents}
     for name, n in max_items.items():
         if name in props:
             props[name]["maxItems"] = n
