@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 from leanserve import LLM, SamplingParams
 from leanserve.loader import load_model
 
 import pytest
+import torch
 
 from tests.conftest import assert_no_leaks
 
