@@ -28,7 +28,7 @@ from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai import openapi
-from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, ServerGate
+from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, InternalErrorGuard, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
 from leanserve.entrypoints.openai.protocol import (
@@ -124,6 +124,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.limits = limits
+    app.add_middleware(InternalErrorGuard)
     app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
     openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
