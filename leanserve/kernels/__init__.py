@@ -43,6 +43,20 @@ def _cpu_identity() -> str:
         return platform.machine() + "|" + platform.processor()
 
 
+# The SIMD features the kernels (or torch's) can use, as /proc/cpuinfo names them.
+SIMD_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
+                 "amx_int8", "amx_bf16")
+
+
+def cpu_info() -> dict:
+    """``{"model": str, "simd": [the SIMD_FEATURES present], "cpu_count": int}`` of this machine, for benchmark
+    results (which kind of machine a number was measured on)."""
+    model, _, flags = _cpu_identity().partition("|")
+    present = set(flags.partition(":")[2].split())
+    return {"model": model.partition(":")[2].strip() or platform.processor(),
+            "simd": [f for f in SIMD_FEATURES if f in present], "cpu_count": os.cpu_count()}
+
+
 def build_key() -> str:
     """12 hex digits of a SHA-256 over the kernel sources and headers, the flags, torch's version and the CPU."""
     import torch

@@ -44,3 +44,12 @@ def test_sources_are_staged_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch
     for name in kernels._SOURCES + kernels._HEADERS:
         assert (tmp_path / "leanserve_src_test0key" / name).read_bytes() == (kernels._DIR / name).read_bytes()
     assert kernels._staged_sources("test0key") == paths
+
+
+def test_cpu_info_names_this_machine():
+    from leanserve import kernels
+
+    info = kernels.cpu_info()
+    flags = kernels._cpu_identity().partition("|")[2].split()
+    assert info["cpu_count"] >= 1 and info["model"]
+    assert info["simd"] == [f for f in kernels.SIMD_FEATURES if f in flags]
