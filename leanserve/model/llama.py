@@ -227,9 +227,6 @@ class LlamaModel:
         """Embedding rows [T, hidden] in the model dtype for ids [T] int64."""
         return self.embed.rows(input_ids).to(self.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor, invariant_rows: int | None = None) -> torch.Tensor:
-        """Logits [N, vocab] float32 for hidden states [N, hidden] (all rows alike: no ``kernel_rows``).
-        ``invariant_rows``: the rows per BLAS call that make a row's logits independent of the others (default: the
-        model's batch-invariant setting)."""
-        rows = self._invariant_rows if invariant_rows is None else invariant_rows
-        return self.lm_head.matmul(hidden, invariant_rows=rows).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] float32 for hidden states [N, hidden] (all rows alike: no ``kernel_rows``)."""
+        return self.lm_head.matmul(hidden, invariant_rows=self._invariant_rows).float()

@@ -230,7 +230,7 @@ class ModelRunner:
                                req.num_prompt_tokens)
             if rows:
                 q = first - req.num_computed_tokens  # flat row of position 0
-                entries = compute_prompt_logprobs(self.model, hidden[q + rows.start:q + rows.stop],
+                entries = compute_prompt_logprobs(self.model, hidden[q + rows.start:q + rows.stop], rows.start,
                                                   req.prompt_token_ids[rows.start + 1:rows.stop + 1], num_top)
                 result.prompt_logprobs[req.request_id] = PromptLogprobsChunk(rows.start + 1, entries)
 

@@ -6,9 +6,11 @@ positions ``[start, start + n)`` scores the prompt tokens ``[start + 1, min(star
 ``P`` tokens (the last position's logits sample the first output token instead). Logprobs are ``log_softmax`` of the
 raw fp32 logits, as the sampler's (no penalty, temperature or truncation).
 
-Only requests that ask pay: their prompt rows' logits are computed here, ``ROWS_PER_CALL`` rows at a time (a bound on
-the ``[rows, vocab]`` float32 buffers), each product in fixed blocks of ``INVARIANT_ROWS`` rows so that a row's
-logits depend neither on how the prompt was chunked nor on the other rows.
+Only requests that ask pay: their prompt rows' logits are computed here, in blocks of ``LOGITS_BLOCK`` rows aligned
+to absolute prompt positions (position ``p`` is always row ``p % LOGITS_BLOCK`` of the block of ``p // LOGITS_BLOCK``,
+the rows a chunk does not cover zero-filled): a BLAS GEMM of a fixed shape gives a row the same bits whatever the
+other rows hold, but a row's result can change with M or with its place in the call (OpenBLAS), so this keeps a
+prompt token's logits independent of how the prompt was chunked and of the batch, at one weight read per block.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leanserve.model.llama import LlamaModel
-from leanserve.quantization.weights import INVARIANT_ROWS
 from leanserve.worker.sampler import TokenLogprobs
 
 import torch
 
-ROWS_PER_CALL = 256  # prompt rows whose [rows, vocab] logits are held at once
+LOGITS_BLOCK = 32  # prompt positions per logits GEMM (the [rows, vocab] float32 buffers held at once)
 
 
 @dataclass
@@ -44,13 +45,14 @@ def prompt_rows(num_computed: int, num_new: int, num_prompt: int) -> range:
 
 
 @torch.inference_mode()
-def compute_prompt_logprobs(model: LlamaModel, hidden: torch.Tensor, targets: list[int],
+def compute_prompt_logprobs(model: LlamaModel, hidden: torch.Tensor, first_position: int, targets: list[int],
                             num_top: int) -> list[TokenLogprobs]:
     """Logprobs of ``targets`` under the logits of ``hidden``.
 
     Args:
-        model: gives the logits (``compute_logits``, in fixed ``INVARIANT_ROWS`` blocks).
-        hidden: ``[R, hidden]`` final hidden states of R consecutive prompt positions.
+        model: gives the logits (``compute_logits``).
+        hidden: ``[R, hidden]`` final hidden states of the R consecutive prompt positions from ``first_position``.
+        first_position: prompt position of ``hidden``'s first row (places the rows in their logits blocks).
         targets: the R prompt tokens that follow those positions.
         num_top: most likely alternatives per token (0..20).
 
@@ -66,10 +68,13 @@ def compute_prompt_logprobs(model: LlamaModel, hidden: torch.Tensor, targets: li
         raise ValueError(f"{hidden.shape[0]} hidden rows for {len(targets)} target tokens")
     out: list[TokenLogprobs] = []
     tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
-    for i in range(0, len(targets), ROWS_PER_CALL):
-        lp = torch.log_softmax(model.compute_logits(hidden[i:i + ROWS_PER_CALL], invariant_rows=INVARIANT_ROWS),
-                               dim=-1)
-        t = tgt[i:i + ROWS_PER_CALL].unsqueeze(1)
+    end, b = first_position + len(targets), LOGITS_BLOCK
+    for block in range(first_position // b * b, end, b):
+        lo, hi = max(first_position, block), min(end, block + b)
+        padded = hidden.new_zeros(b, hidden.shape[1])
+        padded[lo - block:hi - block] = hidden[lo - first_position:hi - first_position]
+        lp = torch.log_softmax(model.compute_logits(padded)[lo - block:hi - block], dim=-1)
+        t = tgt[lo - first_position:hi - first_position].unsqueeze(1)
         chosen = lp.gather(1, t)
         ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
         if num_top:
