@@ -157,3 +157,16 @@ def test_bad_prompt_logprobs_are_refused(value):
     with pytest.raises(InvalidParameterError) as exc:
         SamplingParams(prompt_logprobs=value)
     assert exc.value.param == "prompt_logprobs"
+
+
+def test_preempted_and_recomputed_request_keeps_them(loaded, prompts, reference):
+    """A pool too small for both requests: one is preempted mid-generation and recomputed from scratch; its prompt
+    logprobs are kept once (the recompute's are the same positions) and still match."""
+    llm = LLM(loaded=loaded, kv_cache_memory=9 * 16 * loaded.config.num_layers * 2 * loaded.config.num_kv_heads
+              * loaded.config.head_dim * 4, max_num_batched_tokens=64)
+    assert llm.engine.kv.num_blocks == 9
+    long = prompts[2][:100]
+    outs = gen(llm, [long, long], [params(max_tokens=40), params(max_tokens=40)])
+    assert llm.engine.get_stats().num_preemptions > 0
+    for out in outs:
+        check_against_reference(out, long, reference[2][:100])
