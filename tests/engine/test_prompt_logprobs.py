@@ -166,7 +166,7 @@ def test_preempted_and_recomputed_request_keeps_them(loaded, prompts, reference)
               * loaded.config.head_dim * 4, max_num_batched_tokens=64)
     assert llm.engine.kv.num_blocks == 9
     long = prompts[2][:100]
-    outs = gen(llm, [long, long], [params(max_tokens=40), params(max_tokens=40)])
+    outs = gen(llm, [long, long], [params(max_tokens=16), params(max_tokens=16)])
     assert llm.engine.get_stats().num_preemptions > 0
     for out in outs:
         check_against_reference(out, long, reference[2][:100])
