@@ -66,6 +66,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logprobs: how many top alternatives to return per generated token besides the chosen one;
             None = no logprobs; 0..20.
+        prompt_logprobs: how many top alternatives to return per prompt token besides the prompt token itself
+            (vLLM's semantics: ``RequestOutput.prompt_logprobs``, the first token's entry None); None = none;
+            0..20. Such a request skips the prefix-cache lookup (as vLLM), so every position is computed.
         skip_special_tokens: leave special tokens out of the detokenized text.
         speculative: let the engine's speculative decoding (when configured) draft tokens for this request;
             False turns it off for this request only (the output is the same either way).
@@ -91,6 +94,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True
 
@@ -146,6 +150,10 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidParameterError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                                        f"got {self.prompt_logprobs}")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

@@ -245,6 +245,8 @@ class LLMEngine:
         if self.drafter is not None:
             self._draft(sched_out)
         runner_out = self.runner.execute_model(sched_out)
+        for rid, chunk in runner_out.prompt_logprobs.items():
+            self.processor.add_prompt_logprobs(rid, chunk)
         for res in self.scheduler.update_from_output(sched_out, runner_out.sampled):
             req = res.request
             if res.num_draft_tokens:

@@ -19,6 +19,7 @@ from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache
 from leanserve.sampling_params import SamplingParams
+from leanserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_rows
 from leanserve.worker.rejection_sampler import accept_one_hot
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
 
@@ -28,10 +29,12 @@ import torch
 @dataclass
 class ModelRunnerOutput:
     """Tokens sampled in one step, by request id: one token, or for a request that verified drafts the accepted
-    drafts and the token after them; logprobs (when asked) one entry per token."""
+    drafts and the token after them; logprobs (when asked) one entry per token; prompt_logprobs (when asked) the
+    prompt tokens this step's chunk scored."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
@@ -212,6 +215,25 @@ class ModelRunner:
             times[n] = min(samples[1:])
         return times
 
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                         result: ModelRunnerOutput) -> None:
+        """Score the prompt tokens that the chunks of requests asking for prompt logprobs cover (rows of ``hidden``
+        in ``scheduled`` order)."""
+        row = 0
+        for s in scheduled:
+            req, first = s.request, row
+            row += s.num_new_tokens
+            num_top = req.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            rows = prompt_rows(req.num_computed_tokens, s.num_new_tokens - len(s.spec_token_ids),
+                               req.num_prompt_tokens)
+            if rows:
+                q = first - req.num_computed_tokens  # flat row of position 0
+                entries = compute_prompt_logprobs(self.model, hidden[q + rows.start:q + rows.stop], rows.start,
+                                                  req.prompt_token_ids[rows.start + 1:rows.stop + 1], num_top)
+                result.prompt_logprobs[req.request_id] = PromptLogprobsChunk(rows.start + 1, entries)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over all scheduled tokens, then sample where a request reached its end."""
@@ -225,6 +247,7 @@ class ModelRunner:
                                                          s.request.num_computed_tokens))
         input_ids, positions, meta, logits_idx = self.build_inputs(scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        self._prompt_logprobs(scheduled, hidden, result)
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
             return result

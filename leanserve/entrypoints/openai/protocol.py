@@ -119,6 +119,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
 class CompletionRequest(SamplingFields):
@@ -127,6 +128,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -207,6 +209,17 @@ class ChatLogprobToken(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's ``Logprob``: one token's entry in ``prompt_logprobs`` (keys of the dict are token ids)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token; None for the first
+
+
 class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobToken] | None = None
 
@@ -232,6 +245,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     timings: Timings | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when the request asked
 
 
 class DeltaMessage(ResponseModel):
@@ -274,12 +288,16 @@ class CompletionChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when computed (prompt_logprobs, echo + logprobs)
+
+
 class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo
     timings: Timings | None = None
 

@@ -14,6 +14,11 @@ import time
 from collections.abc import AsyncIterator
 
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai.prompt_logprobs import (
+    prompt_logprobs_json,
+    requested_prompt_logprobs,
+    with_prompt_logprobs,
+)
 from leanserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -93,6 +98,8 @@ class OpenAIServingChat:
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
+        num_prompt_lp = requested_prompt_logprobs(req.prompt_logprobs, req.stream)
+        params = with_prompt_logprobs(params, None if req.stream else num_prompt_lp)  # a stream carries none
         prompt_ids = self.render_prompt(req)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
@@ -151,7 +158,7 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices,
             usage=usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
-            timings=timings_of([final]))
+            timings=timings_of([final]), prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
 
     async def _stream(self, stream, request_id: str, created: int, n: int, top_n: int | None,
                       include_usage: bool) -> AsyncIterator[str]:
