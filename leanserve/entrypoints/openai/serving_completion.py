@@ -41,6 +41,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
+from leanserve.entrypoints.openai.structured_fields import constraint_of
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 
@@ -75,8 +76,10 @@ class OpenAIServingCompletion:
         prompts = self._prompts(req)
         if req.echo and req.max_tokens == 0:
             return self._echo_only(req, prompts)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        admitted = admit_all(self.engine, prompts, params)
+        constraint, field = constraint_of(req)
+        names = {"structured_outputs": field} if field else None
+        params = sampling_params(req, req.max_tokens, req.logprobs, names, constraint)
+        admitted = admit_all(self.engine, prompts, params, names)
         request_id = new_id("cmpl")
         streams = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
         created = int(time.time())
