@@ -77,7 +77,7 @@ def test_schema_documents_the_checks(schema):
     assert props["tools"]["maxItems"] == 128 and "tool_choice" in props and "response_format" in props
     assert props["messages"]["minItems"] == 1
     message = schema["components"]["schemas"]["ChatMessage"]["properties"]
-    assert message["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert message["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
     completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["max_tokens"]["minimum"] == 0 and completion["max_tokens"]["default"] == 16
 

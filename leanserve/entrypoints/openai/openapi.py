@@ -152,6 +152,12 @@ def _field_rules(components: dict[str, Any], limits: RequestLimits, vocab_size: 
         {"required": ["content"], "properties": {"content": {"anyOf": [
             {"type": "string"},
             {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/TextContentPart"}}]}}}]
+    # a tool message answers a call (tool_call_id); only an assistant message makes calls
+    components["ChatMessage"]["allOf"] = [
+        {"anyOf": [{"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
+                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
+        {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
+                   {"properties": {"tool_calls": {"type": "null"}}}]}]
 
 
 def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits: RequestLimits) -> None:
