@@ -3,7 +3,8 @@
 Each configuration generates exactly ``--tokens`` tokens per sequence (greedy) from short chat prompts: plain
 (``ignore_eos``), a JSON schema whose array needs more items than fit (so the grammar never lets it end), and an
 EBNF grammar of capitalized words that may end only after a NUL byte. Output tokens / wall time of the whole
-``generate`` call, median of ``--repeats``, and the cost of the masks relative to plain. Usage:
+``generate`` call, median of ``--repeats`` (the configurations interleaved), and the cost of the masks relative
+to plain. Usage:
     .venv/bin/python -m benchmarks.structured_decode [--tokens 96] [--repeats 3] [--batch 1 32]
 Writes benchmarks/results/structured_decode.json and prints a table.
 """
@@ -49,19 +50,18 @@ def main() -> None:
         for i in range(max(args.batch))]
     results: dict[str, dict[str, float]] = {}
     for batch in args.batch:
-        row = {}
-        for name, params in configs(args.tokens).items():
+        rates: dict[str, list[float]] = {name: [] for name in configs(args.tokens)}
+        for params in configs(args.tokens).values():
             llm.generate(prompts[:batch], params, use_tqdm=False)  # warm-up (and the grammar compiled once)
-            rates = []
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):  # configurations interleaved: a change in the machine's load hits all alike
+            for name, params in configs(args.tokens).items():
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts[:batch], params, use_tqdm=False)
                 elapsed = time.perf_counter() - t0
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 assert n == batch * args.tokens, (name, n)
-                rates.append(n / elapsed)
-            row[name] = statistics.median(rates)
-        results[str(batch)] = row
+                rates[name].append(n / elapsed)
+        results[str(batch)] = {name: statistics.median(r) for name, r in rates.items()}
     print(f"output tokens/s, {args.tokens} tokens per sequence, median of {args.repeats}")
     print(f"{'batch':>5} {'plain':>9} {'json_schema':>18} {'grammar':>18}")
     for batch, row in results.items():

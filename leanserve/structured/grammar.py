@@ -51,7 +51,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.vocab_size = vocab_size
         self.cache_size = cache_size
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and metrics
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -63,7 +63,7 @@ class GrammarCompiler:
             xgr = _xgr()
             tok = self.tokenizer
             tokens = [b"" if tok.is_special(i) else tok.token_bytes(i) for i in range(tok.vocab_size)]
-            info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=max(self.vocab_size, tok.vocab_size),
                                      stop_token_ids=sorted(tok.stop_token_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
