@@ -130,6 +130,18 @@ def test_multi_turn_with_tool_results(sdk, server):
     assert check_calls(whole, streamed, {"get_time"}) == [("get_time", "{}")]
 
 
+def test_tokenize_renders_a_tool_history_as_chat_does(client):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    chat = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 1}).json()
+    tokens = client.post("/tokenize", json={"messages": history, "return_token_strs": True}).json()
+    assert tokens["count"] == chat["usage"]["prompt_tokens"]
+    text = "".join(tokens["token_strs"])
+    assert "<tool_call>" in text and "<tool_response>" in text and "<|im_start|>tool" not in text
+
+
 def test_history_rendering_in_the_hermes_format():
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
                {"role": "assistant", "content": "", "tool_calls": [
