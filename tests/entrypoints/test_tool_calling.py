@@ -35,9 +35,9 @@ def sdk(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
 
 
-def both(sdk, server, messages=ASK, **kwargs):
-    """(non-streamed choice, streamed (content, [(name, arguments)], finish_reason) assembled by the SDK)."""
-    args = dict(model=server.model, messages=messages, max_tokens=120, temperature=0, **kwargs)
+def both(sdk, server, messages=ASK, max_tokens=120, **kwargs):
+    """(non-streamed choice, streamed choice assembled by the SDK) of the same greedy request."""
+    args = dict(model=server.model, messages=messages, max_tokens=max_tokens, temperature=0, **kwargs)
     whole = sdk.chat.completions.create(**args).choices[0]
     try:
         with sdk.chat.completions.stream(**args) as stream:
@@ -105,8 +105,8 @@ def test_streamed_deltas_have_openai_shape(sdk, server):
 
 
 def test_none_returns_the_plain_content(sdk, server):
-    whole, streamed = both(sdk, server, tools=TOOLS, tool_choice="none")
-    plain = sdk.chat.completions.create(model=server.model, messages=ASK, max_tokens=120, temperature=0).choices[0]
+    whole, streamed = both(sdk, server, max_tokens=40, tools=TOOLS, tool_choice="none")
+    plain = sdk.chat.completions.create(model=server.model, messages=ASK, max_tokens=40, temperature=0).choices[0]
     assert whole.message.content == streamed.message.content == plain.message.content
     assert not whole.message.tool_calls and not streamed.message.tool_calls
     assert whole.finish_reason == plain.finish_reason != "tool_calls"
@@ -121,7 +121,7 @@ def test_multi_turn_with_tool_results(sdk, server):
              "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
         {"role": "tool", "tool_call_id": "call_2", "content": '{"temperature": 25}'}]
-    whole, streamed = both(sdk, server, messages=history, tools=TOOLS)
+    whole, streamed = both(sdk, server, messages=history, max_tokens=40, tools=TOOLS)
     assert whole.message.content == streamed.message.content and whole.finish_reason == streamed.finish_reason
     assert calls_of(whole) == calls_of(streamed)
     again = history + [{"role": "user", "content": "And the time?"}]
