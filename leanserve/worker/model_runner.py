@@ -107,7 +107,9 @@ class ModelRunner:
         self.device = model.device
         self._rng = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
-        self.grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> its grammar's matcher
+        # structured outputs: request id -> its grammar's matcher (the engine adds and drops them: a finished id may
+        # be reused by a new request before this runner sees finished_req_ids)
+        self.grammars: dict[str, GrammarState] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
@@ -240,7 +242,6 @@ class ModelRunner:
         """Run one step: forward over all scheduled tokens, then sample where a request reached its end."""
         for rid in out.finished_req_ids:
             self.generators.pop(rid, None)
-            self.grammars.pop(rid, None)
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
