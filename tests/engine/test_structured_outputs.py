@@ -139,3 +139,18 @@ def test_grammar_decides_the_end(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"), **kwargs)
     assert e.value.param == param
+
+
+def test_a_reused_request_id_keeps_its_new_grammar(llm):
+    engine = llm.engine
+    prompt = chat(llm, "A number?")["prompt_token_ids"]
+    texts = []
+    for regex in (r"[0-9]{3}", r"[a-c]{4}"):
+        engine.add_request("same-id", prompt, greedy(8, regex=regex))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    texts.append(out.outputs[0].text)
+    assert re.fullmatch(r"[0-9]{3}", texts[0]) and re.fullmatch(r"[a-c]{4}", texts[1]), texts
+    assert not engine.runner.grammars
+    assert_no_leaks(engine)
