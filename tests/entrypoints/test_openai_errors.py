@@ -33,7 +33,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSGS, "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CHAT, {"messages": MSGS, "logit_bias": {"50": 5}}, 400, "logit_bias"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": "hello"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),

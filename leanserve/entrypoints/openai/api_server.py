@@ -58,6 +58,7 @@ from leanserve.entrypoints.openai.serving_common import (
 from leanserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from leanserve.entrypoints.openai.tenants import TENANT_KEY, TenantLimits, TenantRegistry
 from leanserve.errors import InvalidParameterError
+from leanserve.structured.tools import render_messages
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -217,8 +218,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             try:
-                text = tokenizer.apply_chat_template([m.to_template_dict() for m in req.messages],
-                                                     add_generation_prompt=req.add_generation_prompt)
+                messages = [m.to_template_dict() for m in req.messages]
+                if any(m.role == "tool" or m.tool_calls for m in req.messages) and \
+                        "tools" not in (tokenizer.chat_template or ""):
+                    messages = render_messages(messages, None)  # as chat renders a history with tool calls
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except InvalidParameterError as exc:
                 raise to_openai_error(exc) from None
             ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))

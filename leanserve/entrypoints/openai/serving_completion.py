@@ -49,6 +49,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
+from leanserve.entrypoints.openai.structured_fields import constraint_of
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 
@@ -84,11 +85,13 @@ class OpenAIServingCompletion:
         echo_only = req.echo and req.max_tokens == 0
         if echo_only and num_prompt_lp is None:
             return self._echo_only(req, prompts)
+        constraint, field = constraint_of(req)
+        names = {"structured_outputs": field} if field else None
         # echo of the prompt alone with its logprobs: one token is generated and dropped (as vLLM)
-        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, names, constraint)
         params = with_prompt_logprobs(params, num_prompt_lp,
                                       "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
-        admitted = admit_all(self.engine, prompts, params)
+        admitted = admit_all(self.engine, prompts, params, names)
         request_id = new_id("cmpl")
         streams = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
         created = int(time.time())
