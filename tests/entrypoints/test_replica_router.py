@@ -349,7 +349,7 @@ def test_fleet_monitor_degraded_then_recovered():
         return state[name], "ok" if state[name] else "engine dead"
 
     async def go():
-        mon = FleetMonitor(router, probe, timeout=0.05)
+        mon = FleetMonitor(router, probe, timeout=0.05, probe_failures=1)
         await mon.probe_once()
         assert mon.report()[0] == 200 and mon.report()[1]["status"] == "ok"
         state["r1"] = None
@@ -365,6 +365,14 @@ def test_fleet_monitor_degraded_then_recovered():
         code, body = mon.report()
         assert code == 200 and body["status"] == "ok" and body["replicas"]["r1"]["failures"] == 1
         assert router.healthy_names() == ["r0", "r1"]
+        mon2 = FleetMonitor(router, probe, timeout=0.05)  # 2 failed probes in a row take a replica out
+        state["r1"] = False
+        await mon2.probe_once()
+        assert router.healthy_names() == ["r0", "r1"]
+        await mon2.probe_once()
+        assert router.healthy_names() == ["r0"] and mon2.report()[1]["status"] == "degraded"
+        mon2.mark("r0", False, "call failed")  # a failed call: at once
+        assert router.healthy_names() == []
 
     run(go())
 

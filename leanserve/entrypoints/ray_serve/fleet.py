@@ -17,7 +17,7 @@ from leanserve.entrypoints.ray_serve.router import Router
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-Probe = Callable[[str], Awaitable[tuple[bool, str]]]  # name -> (healthy, detail)
+Probe = Callable[[str], Awaitable[tuple]]  # name -> (healthy, detail) or (healthy, detail, info dict)
 
 
 @dataclass
@@ -26,19 +26,25 @@ class ReplicaHealth:
     detail: str = "starting"
     since: float = 0.0  # time.monotonic() of the last change
     failures: int = 0  # times it was taken out of routing
+    info: dict | None = None  # what the last passing probe told (e.g. the replica's pid)
+    failed_probes: int = 0  # consecutive failed probes
 
 
 class FleetMonitor:
     """Probes each replica every ``interval`` s (each probe bounded by ``timeout`` s: a hung replica fails it)
-    and keeps the router's health marks in step.
+    and keeps the router's health marks in step: ``probe_failures`` failed probes in a row take a replica out
+    (one slow answer on a busy machine does not), a failed call (:meth:`mark`) at once; a passing probe brings it
+    back.
 
     Args:
         router: the replica states whose ``healthy`` marks this monitor sets.
-        probe: ``probe(name) -> (healthy, detail)``; an exception or a timeout counts as unhealthy.
+        probe: ``probe(name) -> (healthy, detail[, info])``; an exception or a timeout counts as unhealthy.
     """
 
-    def __init__(self, router: Router, probe: Probe, interval: float = 1.0, timeout: float = 3.0) -> None:
+    def __init__(self, router: Router, probe: Probe, interval: float = 1.0, timeout: float = 3.0,
+                 probe_failures: int = 2) -> None:
         self.router = router
+        self.probe_failures = probe_failures
         self.probe = probe
         self.interval = interval
         self.timeout = timeout
@@ -46,26 +52,33 @@ class FleetMonitor:
         self.replicas: dict[str, ReplicaHealth] = {n: ReplicaHealth(since=now) for n in router.replicas}
         self._task: asyncio.Task | None = None
 
-    def mark(self, name: str, healthy: bool, detail: str) -> None:
+    def mark(self, name: str, healthy: bool, detail: str, info: dict | None = None) -> None:
         """Record a replica's health (from a probe, or a failed call: ``healthy`` False) and route accordingly."""
         state = self.replicas[name]
         if state.healthy != healthy:
             state.since = time.monotonic()
-            if not healthy:
+            if not healthy and state.detail != "starting":
                 state.failures += 1
         state.healthy = healthy
         state.detail = detail
+        if info is not None:
+            state.info = info
         self.router.set_healthy(name, healthy)
 
     async def probe_once(self) -> None:
         async def one(name: str) -> None:
+            info = None
             try:
-                healthy, detail = await asyncio.wait_for(self.probe(name), self.timeout)
+                healthy, detail, *rest = await asyncio.wait_for(self.probe(name), self.timeout)
+                info = rest[0] if rest else None
             except TimeoutError:
                 healthy, detail = False, f"no answer within {self.timeout:g} s"
             except Exception as exc:
                 healthy, detail = False, f"{type(exc).__name__}: {exc}"[:300]
-            self.mark(name, healthy, detail)
+            state = self.replicas[name]
+            state.failed_probes = 0 if healthy else state.failed_probes + 1
+            if healthy or state.failed_probes >= self.probe_failures or not state.healthy:
+                self.mark(name, healthy, detail, info)
 
         await asyncio.gather(*(one(n) for n in self.replicas))
 
@@ -91,7 +104,8 @@ class FleetMonitor:
         now = time.monotonic()
         body = {"status": status, "healthy_replicas": len(healthy), "replicas": {
             n: {"healthy": s.healthy, "detail": s.detail, "for_s": round(now - s.since, 3), "failures": s.failures,
-                "in_flight": self.router.replicas[n].in_flight, "routed": self.router.replicas[n].routed}
+                "in_flight": self.router.replicas[n].in_flight, "routed": self.router.replicas[n].routed,
+                **(s.info or {})}
             for n, s in self.replicas.items()}}
         return (503 if status == "unavailable" else 200), body
 
@@ -161,4 +175,5 @@ class RouterMetrics:
             self.healthy.labels(n).set(1 if s.healthy else 0)
         self.retried._value.set(num_retried)
         self.route_seconds._value.set(route_seconds)
-        return generate_latest(self.registry).decode()
+        return "".join(line + "\n" for line in generate_latest(self.registry).decode().splitlines()
+                       if "_created" not in line)

@@ -33,10 +33,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from leanserve.config import REPLICA_ROUTERS
 from leanserve.core.kv_cache_manager import hash_block
 from leanserve.errors import InvalidParameterError
-
-REPLICA_ROUTERS = ("cache_aware", "round_robin", "power_of_two")
 
 
 class NoReplicaAvailable(Exception):
