@@ -408,3 +408,23 @@ def test_router_metrics_render_the_router_state():
     assert m['leanserve:replica_healthy{replica="r0"}'] == 0
     assert m["leanserve:router_retries_total"] == 3 and m["leanserve:router_decision_seconds_total"] == 0.25
     t.release()
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def test_server_config_replica_fields():
+    import argparse
+
+    from leanserve.config import ServerConfig, add_config_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_config_args(p, ServerConfig)
+    sc = config_from_args(ServerConfig, p.parse_args(["--replicas", "3", "--replica-router", "power_of_two",
+                                                      "--ray-address", "auto"]))
+    assert (sc.replicas, sc.replica_router, sc.ray_address) == (3, "power_of_two", "auto")
+    assert ServerConfig().replicas == 1 and ServerConfig().replica_router == "cache_aware"
+    with pytest.raises(InvalidParameterError, match="replicas"):
+        ServerConfig(replicas=0)
+    with pytest.raises(InvalidParameterError, match="replica_router"):
+        ServerConfig(replica_router="random")
+    with pytest.raises(SystemExit):  # argparse refuses an unknown policy
+        p.parse_args(["--replica-router", "random"])
