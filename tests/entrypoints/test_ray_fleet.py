@@ -25,7 +25,7 @@ SYSTEM = "You are the support assistant of a bakery. " + "Answer politely and br
 def fleet():
     t0 = time.monotonic()
     srv = ServerProcess(["--replicas", "2", "--threads", "1", "--kv-cache-memory", str(64 << 20),
-                         "--max-model-len", "512", "--shutdown-timeout", "2"]).start(timeout=240)
+                         "--max-model-len", "512", "--shutdown-timeout", "60"]).start(timeout=240)
     wait_for(lambda: health(srv)[1]["status"] == "ok", timeout=60, interval=0.5)  # first probes passed
     print(f"fleet up in {time.monotonic() - t0:.1f} s: {[ln for ln in srv.stdout_lines if 'serving' in ln]}")
     yield srv
@@ -169,7 +169,8 @@ def test_disconnect_frees_the_replicas_blocks(fleet):
 
 
 async def _stream_events(srv: ServerProcess, prompt: str, started: asyncio.Event) -> list[str]:
-    body = {"model": srv.model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"model": srv.model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     events = []
     async with srv.async_client(timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -235,10 +236,35 @@ def test_killed_replica_fails_over_and_rejoins(fleet):
         if home == victim:
             assert json.loads(events[-2])["error"]["code"] == "replica_failed", events[-3:]
         else:  # the other replica's stream is unaffected
-            assert sum(1 for e in events[:-1] if json.loads(e).get("choices")) >= 200
+            assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
     t_rec = wait_for(lambda: health(fleet)[1]["status"] == "ok", timeout=180, interval=0.5)
     print(f"{victim} killed; fleet ok again after {time.monotonic() - t_kill:.1f} s (waited {t_rec:.1f} s)")
     body = health(fleet)[1]
     assert body["replicas"][victim]["pid"] != victim_pid and body["replicas"][victim]["failures"] >= 1
     r = fleet.client().post("/v1/completions", json={"model": fleet.model, "prompt": "Back?", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_sigterm_drains_the_fleet(fleet):
+    """Last: SIGTERM with a stream in flight: the stream finishes whole, then the process exits 0."""
+
+    async def go():
+        started = asyncio.Event()
+        task = asyncio.ensure_future(_stream_events(fleet, "A short tale: once", started))
+        await asyncio.wait_for(started.wait(), 60)
+        fleet.proc.send_signal(signal.SIGTERM)
+        refused = None
+        for _ in range(100):  # new requests get 503 once the ingress drains
+            await asyncio.sleep(0.1)
+            async with fleet.async_client(timeout=30) as c:
+                r = await c.post("/v1/completions", json={"model": fleet.model, "prompt": "x", "max_tokens": 1})
+            if r.status_code == 503:
+                refused = r
+                break
+        return refused, await asyncio.wait_for(task, 120)
+
+    refused, events = asyncio.run(go())
+    assert refused is not None and refused.json()["error"]["code"] == "server_shutting_down"
+    assert "retry-after" in refused.headers
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 200
+    assert fleet.proc.wait(120) == 0

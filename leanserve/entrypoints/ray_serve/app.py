@@ -34,9 +34,10 @@ import time
 from typing import Any
 
 from leanserve.config import EngineConfig, ServerConfig
-from leanserve.engine.async_engine import AsyncEngine
+from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai.api_server import build_app, default_served_model_name
+from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S
 from leanserve.entrypoints.openai.limits import RequestLimits
 from leanserve.entrypoints.openai.tenants import TenantLimits, TenantRegistry
 from leanserve.entrypoints.ray_serve.asgi_bridge import call_asgi
@@ -128,6 +129,14 @@ class FleetIngress:
         self.monitor = FleetMonitor(self.router, self._probe, PROBE_INTERVAL_S, PROBE_TIMEOUT_S)
         self.dispatcher = Dispatcher(self.router, self._call, on_failure=self._failed)
         self.metrics = RouterMetrics(self.names)
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests (503 + Retry-After, ``/health`` 503) and let the in-flight ones finish."""
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        return sum(s.in_flight for s in self.router.replicas.values())
 
     def _failed(self, name: str, exc: BaseException) -> None:
         logger.warning("replica %s failed: %r; taken out of routing until its health probe passes", name, exc)
@@ -158,6 +167,9 @@ class FleetIngress:
     async def __call__(self, request: starlette.requests.Request):
         self.monitor.start()
         path = request.url.path
+        if self.draining and path != "/metrics":
+            return _StarletteProxied(ProxiedResponse.error(503, SHUTTING_DOWN, "server_shutting_down",
+                                                           DRAIN_RETRY_AFTER_S))
         if path == "/health" and request.method == "GET":
             status, body = self.monitor.report()
             if status != 200:
@@ -214,9 +226,24 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _drain(timeout: float, interrupted: threading.Event) -> None:
+    """New requests get 503 while the in-flight ones get up to ``timeout`` s to finish."""
+    ingress = serve.get_deployment_handle("ingress", APP_NAME)
+    ingress.begin_drain.remote().result()
+    deadline = time.monotonic() + timeout
+    n = ingress.num_in_flight.remote().result()
+    print(f"leanserve: SIGTERM: draining {n} in-flight request(s), up to {timeout:g} s (new requests get 503; "
+          "a second signal ends at once)", flush=True)
+    while n and time.monotonic() < deadline and not interrupted.wait(0.1):
+        n = ingress.num_in_flight.remote().result()
+    if n:
+        print(f"leanserve: shutdown timeout: {n} request(s) still in flight are cut", flush=True)
+
+
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Start (or join, with ``--ray-address``) Ray, deploy the fleet, serve until SIGINT/SIGTERM, then shut the
-    application down (Ray Serve drains each replica for up to ``--shutdown-timeout`` s). Returns 0."""
+    application down. SIGTERM drains first: new requests get 503 while the in-flight ones get up to
+    ``--shutdown-timeout`` s (a second signal ends at once). Returns 0."""
     sc = server_config
     logging.basicConfig(level=getattr(logging, sc.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
@@ -239,10 +266,19 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
           f"{url}/v1, fleet health at {url}/health, metrics at {url}/metrics; Ray up in {t_ray - t0:.1f} s, "
           f"application in {t_up - t_ray:.1f} s; Ctrl-C to stop)", flush=True)
     stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(sig, frame) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     while not stop.wait(0.5):
         pass
+    if signals[0] == signal.SIGTERM and sc.shutdown_timeout > 0:
+        stop.clear()  # a second signal ends the drain at once
+        _drain(sc.shutdown_timeout, stop)
     print("leanserve: shutting the fleet down (draining the replicas)", flush=True)
     try:
         serve.shutdown()
