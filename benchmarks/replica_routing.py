@@ -10,7 +10,8 @@ Each replica has ``--kv-cache-memory`` bytes of KV cache (default 224 MiB, about
 half the tenants' prompts), the single server twice that. Reported per configuration, from ``leanserve bench``'s
 runner: prefix-cache hit rate (vllm:prefix_cache_hits / queries summed over the replicas), TTFT p50/p99, request
 and output throughput, goodput (TTFT <= ``--slo-ttft-ms`` and TPOT <= ``--slo-tpot-ms``), and the router's own
-time per request (leanserve:router_decision_seconds / requests routed). Then the two targets: cache_aware's hit
+time per request (leanserve:router_decision_seconds / requests routed) and the HTTP path's median cost outside
+the engine (:func:`hop_overhead_ms`). Then the two targets: cache_aware's hit
 rate >= 1.5x round_robin's and its median TTFT <= 0.7x.
 
 Usage (one command; the machine's load changes the numbers, run it on an idle machine when you can):
@@ -109,6 +110,19 @@ class Server:
                 self.proc.kill()
 
 
+def hop_overhead_ms(url: str, n: int = 20) -> float:
+    """Median over ``n`` sequential 1-token completions of (client-side latency - the server's own e2e_ms): the
+    HTTP path's cost outside the engine (for the fleet: Ray's proxy, the ingress, the handle call and back)."""
+    gaps = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = c.post("/v1/completions", json={"model": model, "prompt": f"Hi {i}", "max_tokens": 1}).json()
+            gaps.append((time.perf_counter() - t0) * 1000 - r["timings"]["e2e_ms"])
+    return sorted(gaps)[n // 2]
+
+
 def run_one(label: str, args: list[str], requests: list[BenchRequest], a: argparse.Namespace) -> dict:
     srv = Server(args)
     try:
@@ -117,6 +131,7 @@ def run_one(label: str, args: list[str], requests: list[BenchRequest], a: argpar
                           slos={"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms}, progress=False)
         res = run_benchmark(cfg, requests, label)
         after = srv.metrics()
+        hop_ms = hop_overhead_ms(srv.url)
     finally:
         srv.stop()
     m, lat = res.metrics, res.metrics.latency
@@ -128,7 +143,7 @@ def run_one(label: str, args: list[str], requests: list[BenchRequest], a: argpar
            "hit_rate": hits / queries if queries else None, "ttft_p50_ms": lat.get("median_ttft_ms"),
            "ttft_p99_ms": lat.get("p99_ttft_ms"), "request_throughput": m.request_throughput,
            "output_throughput": m.output_throughput, "request_goodput": m.request_goodput,
-           "router_us_per_request": 1e6 * route_s / routed if routed else None}
+           "router_us_per_request": 1e6 * route_s / routed if routed else None, "hop_overhead_ms": hop_ms}
     print(json.dumps(row), flush=True)
     return row
 
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(requests)} requests, {a.tenants} tenants x ~{a.system_tokens}-token system prompts, "
           f"{a.rate:g} req/s, {a.max_tokens} output tokens; KV {a.kv_cache_memory >> 20} MiB per replica")
     print("| config | prefix-cache hit rate | TTFT p50 (ms) | TTFT p99 (ms) | req/s | output tok/s | goodput "
-          "(req/s) | router us/req |\n|---|---|---|---|---|---|---|---|")
+          "(req/s) | router us/req | HTTP path ms |\n|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt):
         return "n/a" if x is None else format(x, fmt)
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['label']} | {f(r['hit_rate'], '.1%')} | {f(r['ttft_p50_ms'], '.0f')} | "
               f"{f(r['ttft_p99_ms'], '.0f')} | {f(r['request_throughput'], '.2f')} | "
               f"{f(r['output_throughput'], '.1f')} | {f(r['request_goodput'], '.2f')} | "
-              f"{f(r['router_us_per_request'], '.0f')} |")
+              f"{f(r['router_us_per_request'], '.0f')} | {f(r['hop_overhead_ms'], '.1f')} |")
     by = {r["label"]: r for r in rows}
     if "cache_aware" in by and "round_robin" in by:
         ca, rr = by["cache_aware"], by["round_robin"]

@@ -248,6 +248,7 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(level=getattr(logging, sc.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report sent from the user's machine
     port = sc.port or _free_port(sc.host)
     threads = engine_config.num_threads or 1
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
