@@ -245,6 +245,38 @@ def test_killed_replica_fails_over_and_rejoins(fleet):
     assert r.status_code == 200
 
 
+def test_hung_replica_is_taken_out_and_replaced(fleet):
+    """SIGSTOP a replica (a hang, not a death): requests sent to it are not accepted within the ingress's accept
+    timeout and complete on the other replica; its probes go unanswered (degraded) and the fleet serves on. (Ray's
+    own health check then fails and Ray starts a replacement, ~40 s here; not waited for: the test above checks a
+    restart. The test ends the stopped process itself.)"""
+    body = health(fleet)[1]
+    victim = "engine-1"
+    pid = body["replicas"][victim]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        async def go():
+            async with fleet.async_client(timeout=60) as c:
+                posts = [c.post("/v1/completions", json={"model": fleet.model, "prompt": f"Hang {i}?",
+                                                         "max_tokens": 2}) for i in range(4)]
+                return await asyncio.wait_for(asyncio.gather(*posts), 60)
+
+        replies = asyncio.run(go())
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        wait_for(lambda: not health(fleet)[1]["replicas"][victim]["healthy"], timeout=30, interval=0.5)
+        print(f"hung {victim} out of routing after {time.monotonic() - t0:.1f} s")
+        assert health(fleet)[1]["status"] == "degraded"
+        r = fleet.client().post("/v1/completions", json={"model": fleet.model, "prompt": "Still?", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)  # if Ray has not ended it yet
+        except ProcessLookupError:
+            pass
+
+
 def test_sigterm_drains_the_fleet(fleet):
     """Last: SIGTERM with a stream in flight: the stream finishes whole, then the process exits 0."""
 

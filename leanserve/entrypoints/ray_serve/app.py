@@ -209,7 +209,7 @@ def build_fleet_app(engine_config: EngineConfig, server_config: ServerConfig):
     """The bound Ray Serve application (replicas + ingress) of ``server_config.replicas`` engines."""
     threads = engine_config.num_threads or 1
     replica_dep = serve.deployment(EngineReplica, max_ongoing_requests=MAX_ONGOING, health_check_period_s=2.0,
-                                   health_check_timeout_s=10.0,
+                                   health_check_timeout_s=5.0,
                                    graceful_shutdown_timeout_s=max(1.0, server_config.shutdown_timeout),
                                    logging_config=QUIET, ray_actor_options={"num_cpus": threads})
     handles = {n: replica_dep.options(name=n).bind(engine_config, server_config, n)
