@@ -161,9 +161,6 @@ class FleetIngress:
     async def check_health(self) -> None:
         self.monitor.start()  # Ray calls this soon after start: the probes begin without waiting for a request
 
-    async def replica_pids(self) -> dict[str, int]:
-        return {n: await h.pid.remote() for n, h in self.handles.items()}
-
     async def __call__(self, request: starlette.requests.Request):
         self.monitor.start()
         path = request.url.path
@@ -184,7 +181,9 @@ class FleetIngress:
         body = await request.body()
         req = {"method": request.method, "path": path, "query": request.url.query.encode(),
                "headers": [(k, v) for k, v in request.headers.items() if k.lower() != "host"], "body": body}
+        t0 = time.perf_counter()
         hashes = routing_hashes(path, body) if self.policy == "cache_aware" else []
+        self.dispatcher.route_seconds += time.perf_counter() - t0  # hashing counts as the router's time
         return _StarletteProxied(await self.dispatcher.dispatch(req, hashes))
 
 
@@ -192,7 +191,7 @@ class _StarletteProxied(starlette.responses.Response):
     """A :class:`~.proxy.ProxiedResponse` that Ray Serve recognizes as a response object (and so sends over
     ASGI as it is: chunk by chunk)."""
 
-    def __init__(self, inner: ProxiedResponse) -> None:  # noqa: D107 (no Response.__init__: no body to render)
+    def __init__(self, inner: ProxiedResponse) -> None:  # no Response.__init__: no body to render
         self.inner = inner
         self.status_code = inner.status
         self.background = None

@@ -158,7 +158,7 @@ class Dispatcher:
         self.call = call
         self.on_failure = on_failure or (lambda name, exc: router.set_healthy(name, False))
         self.retry_after = retry_after
-        self.route_seconds = 0.0  # time spent in the routing decision, all requests (the router's own overhead)
+        self.route_seconds = 0.0  # time spent choosing replicas, all requests (the router's own overhead)
         self.num_routed = 0
         self.num_retried = 0
 
