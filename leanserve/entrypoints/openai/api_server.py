@@ -356,8 +356,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
     app = build_app(engine, name, tenants=tenants, limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
                     stall_timeout=sc.engine_stall_timeout)
+    # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
+    # pick up, so one server would behave differently with and without the extra
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
-                            lifespan="on")
+                            lifespan="on", loop="asyncio", http="h11")
     server = LeanserveServer(config, engine,
                              lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, tenants is not None),
                              shutdown_timeout=sc.shutdown_timeout)
