@@ -3,6 +3,7 @@ the weights are the file's exactly, and the products match fp32 dequantize-then-
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
@@ -23,9 +24,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from tests.conftest import kernel_isa_paths, use_kernel_isa
 from tests.loader.gguf_helpers import write_gguf_file
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native block kernel did not build")
+
+
+@pytest.fixture(autouse=True, params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """Every test here runs on each instruction-set path of the kernels (see tests/conftest.py)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
 
 # 3 tiles of 64 outputs (lane layout); 18 blocks per row (the block kernel's 2-way unrolled loop: an even count)
 OUT, IN = 192, 576

@@ -108,5 +108,6 @@ def question_of(req: ChatCompletionRequest) -> tuple[str, Any] | None:
         return None
     rest = [m.to_template_dict() for m in req.messages[:-1]]
     fields = req.model_dump(include={"documents", "max_prompt_tokens", "keep_last_turns", "max_context_tokens",
-                                     "top_k_documents", "reorder_documents", "add_generation_prompt"})
+                                     "top_k_documents", "reorder_documents", "add_generation_prompt", "tools",
+                                     "tool_choice", "parallel_tool_calls", "response_format"})
     return req.messages[-1].to_template_dict()["content"], [rest, fields]
