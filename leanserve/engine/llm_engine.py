@@ -20,6 +20,7 @@ from leanserve.errors import InvalidParameterError
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
+from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
@@ -102,7 +103,7 @@ class LLMEngine:
             self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
-        self.model = LlamaModel(cfg, loaded.weights, dtype=dtype, device=self.device,
+        self.model = model_class(cfg)(cfg, loaded.weights, dtype=dtype, device=self.device,
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
                                 native_kernels=config.use_native_kernels)
