@@ -65,7 +65,9 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int, block_size: in
     """Restrict ``meta``'s decodes and prefill chunks to ``window`` keys per query.
 
     Args:
-        meta: the step's metadata (decode groups with ``seq_lens``; prefill chunks with their block tables).
+        meta: the step's metadata (decode groups with ``seq_lens``; prefill chunks with their block tables). With
+            ``meta.local_block_map``, block ids and slots are translated to the local layers' own pool (every
+            block a window reads or a new token writes has a local block there: the KV cache manager pins them).
         window: keys each query sees, itself included (>= 1).
         block_size: tokens per KV block.
 
@@ -73,6 +75,12 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int, block_size: in
         block tables cut to the first block of each window, and boolean masks (True = attend).
     """
     out = SlidingWindowMetadata(slot_mapping=meta.slot_mapping)
+    local_of = meta.local_block_map
+    if local_of is not None:
+        out.slot_mapping = local_of[meta.slot_mapping // block_size] * block_size + meta.slot_mapping % block_size
+
+    def local(blocks: torch.Tensor) -> torch.Tensor:  # block ids in the local pool (padding / masked ones: 0)
+        return blocks if local_of is None else local_of[blocks].clamp(min=0)
     for g in meta.decode_groups:
         lens = g.seq_lens  # [count]: the query is at lens - 1
         dev = lens.device
@@ -80,7 +88,7 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int, block_size: in
         nblocks = (lens + block_size - 1) // block_size - first
         width = int(nblocks.max())
         idx = (first[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=g.block_table.shape[1] - 1)
-        table = g.block_table.gather(1, idx)
+        table = local(g.block_table.gather(1, idx))
         key = first[:, None] * block_size + torch.arange(width * block_size, device=dev)[None, :]
         mask = (key < lens[:, None]) & (key >= lens[:, None] - window)
         out.decode_groups.append(LocalDecodeGroup(g.start, g.count, table, mask.view(g.count, 1, 1, -1)))
@@ -102,7 +110,7 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int, block_size: in
         k = torch.arange(first * block_size, ctx + n, device=dev)[None, :]
         mask = (k <= q) & (k > q - window)
         mask[n:] = True
-        out.prefills.append(LocalPrefill(p.query_start, n, ctx, p.block_ids[first:], first, mask))
+        out.prefills.append(LocalPrefill(p.query_start, n, ctx, local(p.block_ids[first:]), first, mask))
     return out
 
 
