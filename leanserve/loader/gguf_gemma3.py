@@ -22,14 +22,43 @@ from leanserve.loader.gemma3_names import (
     is_gemma_norm,
 )
 from leanserve.loader.gguf_quant import NATIVE_TYPES, read_group_quantized
-from leanserve.loader.gguf_tensors import check_tensor_types, dequantize_tensor, field
+from leanserve.loader.gguf_tensors import check_tensor_types, dequantize_tensor, field, tensor_shape
+from leanserve.quantization.kquant import TYPE_SIZE, KQuantWeight
 from leanserve.quantization.weights import GroupQuantized
 
 import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 
 LOCAL_ROPE_THETA = 10000.0  # llama.cpp rope_freq_base_train_swa, transformers rope_local_base_freq
+
+
+def read_q5_0_as_8bit(tensor: gguf.ReaderTensor) -> GroupQuantized:
+    """A Q5_0 matrix as an exact 8-bit :class:`GroupQuantized` (the Q8_0 form): codes ``q - 16`` in -16..15, the
+    block's fp16 ``d`` as scale, so ``dequantize()`` equals gguf-py's ``d * (q - 16)`` bit for bit.
+
+    Q5_0 block (22 bytes, ggml-common.h): ``d`` fp16, ``qh`` uint32 (bit j: the 5th bit of element j), 16 bytes of
+    nibbles (element j < 16: low nibble of byte j, else the high nibble of byte j - 16).
+
+    Raises:
+        ModelLoadError: not a Q5_0 matrix, or a data size inconsistent with its shape.
+    """
+    shape = tensor_shape(tensor)
+    if tensor.tensor_type != QT.Q5_0 or len(shape) != 2:
+        raise ModelLoadError(f"tensor {tensor.name!r} is not a Q5_0 matrix")
+    out, k = shape
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+    if k % 32 or raw.size != out * (k // 32) * 22:
+        raise ModelLoadError(f"tensor {tensor.name!r}: {raw.size} bytes do not hold {shape} Q5_0")
+    blocks = raw.reshape(-1, 22)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(out, k // 32)
+    qh = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [blocks, 32]
+    qs = blocks[:, 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(out, k)
+    return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(d), None, 0, 8)
 
 
 def _f32(value: float) -> float:
@@ -103,7 +132,9 @@ def gemma3_weights(reader: gguf.GGUFReader, config: ModelConfig, native: bool = 
                    ) -> dict[str, torch.Tensor | GroupQuantized]:
     """All weights of a Gemma 3 GGUF file by HF name: float32 contiguous tensors (norms as HF's ``w``, see the
     module notes); with ``native``, matrices of type Q4_0 / Q4_1 / Q8_0 as :class:`GroupQuantized` (the embedding
-    is Q8_0 in the Q4_K_M files). K-quant and Q5_0 tensors are dequantized to float32 (gguf-py's arithmetic).
+    is Q8_0 in the Q4_K_M files), Q5_0 ones as their exact 8-bit form (:func:`read_q5_0_as_8bit`) and Q4_K / Q6_K
+    ones as :class:`KQuantWeight` (the file's bytes, no extension attached yet). Without ``native`` every tensor is
+    dequantized to float32 (gguf-py's arithmetic).
 
     Raises:
         UnsupportedTensorTypeError: a tensor type leanserve cannot dequantize (checked first).
@@ -115,9 +146,18 @@ def gemma3_weights(reader: gguf.GGUFReader, config: ModelConfig, native: bool = 
         name = gemma3_hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no counterpart in a Gemma 3 model")
-        if native and tensor.tensor_type in NATIVE_TYPES and name.endswith(("_proj.weight", "embed_tokens.weight")):
-            weights[name] = read_group_quantized(tensor)
-            continue
+        if native and name.endswith(("_proj.weight", "embed_tokens.weight")):
+            if tensor.tensor_type in NATIVE_TYPES:
+                weights[name] = read_group_quantized(tensor)
+                continue
+            if tensor.tensor_type == QT.Q5_0:
+                weights[name] = read_q5_0_as_8bit(tensor)
+                continue
+            if int(tensor.tensor_type) in TYPE_SIZE:  # Q4_K / Q6_K: the file's bytes, for the native kernel
+                out = tensor_shape(tensor)[0]
+                raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+                weights[name] = KQuantWeight(torch.from_numpy(raw.copy()).view(out, -1), int(tensor.tensor_type))
+                continue
         array = dequantize_tensor(tensor)
         if is_gemma_norm(name):
             array = array - np.float32(1.0)

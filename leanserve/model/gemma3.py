@@ -15,14 +15,16 @@ math is transformers' ``modeling_gemma3`` (Gemma Team, "Gemma 3 Technical Report
 * the MLP ``down(gelu_tanh(gate(x)) * up(x))``.
 
 Weights are as :func:`leanserve.loader.gguf_gemma3.gemma3_weights` returns them (norms as HF's ``w``). Under
-``quantization="auto"`` with the native kernels, Q4_0 / Q4_1 / Q8_0 matrices (the embedding, which is also the
-output head, is Q8_0 in the Q4_K_M file) run leanserve's block kernels; the others (Q4_K, Q6_K, Q5_0 in that file)
-are float32 (:class:`FloatWeight`), dequantized at load.
+``quantization="auto"`` with the native kernels every matrix of the Q4_K_M file runs a native kernel on its file
+values: the Q8_0 embedding (also the output head) and the Q5_0 projections (held exactly as 8-bit codes, fused
+with the Q8_0 v projection) on the block kernels, Q4_K / Q6_K (o_proj, down_proj) on ``kquant_gemm``
+(:class:`leanserve.quantization.kquant.KQuantWeight`). Other methods dequantize to float first.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
@@ -31,6 +33,7 @@ from leanserve.model.attention import AttentionMetadata, KVCache, paged_attentio
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 from leanserve.model.sliding_window import sliding_window_attention, sliding_window_metadata
 from leanserve.quantization import check_quantization
+from leanserve.quantization.kquant import KQuantWeight
 from leanserve.quantization.weights import (
     BlockQuantWeight,
     FloatWeight,
@@ -102,10 +105,15 @@ class Gemma3Model:
 
         def proj(*names: str) -> LinearWeight:
             parts = [weights[n] for n in names]
+            if len(parts) == 1 and isinstance(parts[0], KQuantWeight):  # Q4_K / Q6_K: the native kernel under auto
+                if quantization == "auto" and block_ext is not None and hasattr(block_ext, "kquant_gemm"):
+                    return replace(parts[0], ext=block_ext)
+                parts = [parts[0].dequantize()]
             if all(isinstance(p, GroupQuantized) for p in parts) and len({p.kind() for p in parts}) == 1:
                 fused = GroupQuantized.cat_rows(parts)
             else:
-                fused = torch.cat([p.dequantize() if isinstance(p, GroupQuantized) else p.float() for p in parts])
+                fused = torch.cat([p.dequantize() if isinstance(p, GroupQuantized | KQuantWeight) else p.float()
+                                   for p in parts])
             q = quantize_weight(fused, quantization, group_size, block_ext)
             if isinstance(q, torch.Tensor):
                 return FloatWeight(q.to(device=self.device, dtype=dtype).contiguous())
