@@ -77,7 +77,10 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int, block_size: in
     out = SlidingWindowMetadata(slot_mapping=meta.slot_mapping)
     local_of = meta.local_block_map
     if local_of is not None:
-        out.slot_mapping = local_of[meta.slot_mapping // block_size] * block_size + meta.slot_mapping % block_size
+        # a block without a local one is only the runner's cost probe (measure_decode_cost, at start, writing to
+        # block 0 before any request holds a block): it writes local block 0, which its later owner overwrites
+        out.slot_mapping = (local_of[meta.slot_mapping // block_size].clamp(min=0) * block_size
+                            + meta.slot_mapping % block_size)
 
     def local(blocks: torch.Tensor) -> torch.Tensor:  # block ids in the local pool (padding / masked ones: 0)
         return blocks if local_of is None else local_of[blocks].clamp(min=0)

@@ -55,6 +55,9 @@ def test_local_pool_bounded_and_outputs_exact(llm, gemma_loaded, gemma_hf):
     assert {caches[i][0].shape[0] for i in range(cfg.num_layers) if not cfg.is_sliding(i)} == {engine.kv.num_blocks}
     assert swa.num_local_blocks < engine.kv.num_blocks
 
+    # the runner's cost probe (speculative decoding's policy) writes block 0 outside the KV manager: it must run
+    costs = engine.runner.measure_decode_cost([1, 2], repeats=1)
+    assert set(costs) == {1, 2} and all(t > 0 for t in costs.values())
     cold, most = run(llm, "cold", ids)
     assert most < context_blocks  # the window, not the context: 1106 tokens need 70 blocks
     ref, _ = hf_greedy(gemma_hf, ids, STEPS)
