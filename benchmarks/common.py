@@ -178,6 +178,8 @@ def find_llama_server(explicit: str | None) -> str | None:
 def write_json(path: str, payload: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
+    from leanserve.kernels import cpu_info
+
+    payload = {"argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": cpu_info(), **payload}
     out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {out}")

@@ -9,7 +9,6 @@ Writes benchmarks/results/decode.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -20,7 +19,7 @@ from leanserve.loader import load_model
 
 import torch
 
-from benchmarks.common import peer_environ
+from benchmarks.common import peer_environ, write_json
 
 TEXT = ("The river wound through the valley, past fields of barley and old stone walls. In the evening the "
         "fishermen pulled their boats onto the gravel and talked about the weather and the new bridge. ")
@@ -103,11 +102,7 @@ def main() -> None:
         rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         rp = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
         print(f"{name:<32}{r['decode_tok_s']:>14.1f}{r['prefill_tok_s']:>15.1f}{rd:>13}{rp:>14}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "results": results},
-                              indent=2))
-    print(f"\nwrote {out}")
+    write_json(args.out, {"config": vars(args), "threads": torch.get_num_threads(), "results": results})
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ if "torch" not in sys.modules:
 if "numpy" not in sys.modules:
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "leanserve.entrypoints.llm",
     "SamplingParams": "leanserve.sampling_params",
+    "StructuredOutputsParams": "leanserve.sampling_params",
     "RequestOutput": "leanserve.outputs",
     "CompletionOutput": "leanserve.outputs",
 }

@@ -132,7 +132,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    return run_server(engine_config(args), config_from_args(ServerConfig, args))
+    server = config_from_args(ServerConfig, args)
+    if server.replicas > 1 or server.ray_address:
+        try:  # the optional extra: pip install 'leanserve[ray]'
+            from leanserve.entrypoints.ray_serve.app import run_fleet
+        except ImportError as exc:
+            print(f"error: --replicas > 1 needs Ray Serve (pip install 'leanserve[ray]'): {exc}", file=sys.stderr)
+            return 2
+        return run_fleet(engine_config(args), server)
+    return run_server(engine_config(args), server)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

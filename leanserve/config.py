@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REPLICA_ROUTERS = ("cache_aware", "round_robin", "power_of_two")  # --replica-router (entrypoints/ray_serve)
 # --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
 # for leanserve's block kernels (or, without native kernels, the projections in torch's packed int4/int8 layouts)
 # and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4" quantize
@@ -308,9 +309,18 @@ class ServerConfig:
     max_waiting: int = option(1024, "most sequences waiting to be scheduled; beyond it requests get 503 + "
                               "Retry-After", type=int)
     log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
+    replicas: int = option(1, "engine replicas, each with its own --threads and KV cache; more than 1 serves them "
+                           "on Ray Serve (pip install 'leanserve[ray]') behind --replica-router", type=int)
+    ray_address: str | None = option(None, "with --replicas > 1: join this Ray cluster (e.g. 'auto' or "
+                                     "'ray://HEAD:10001') instead of starting Ray on this machine", metavar="ADDR")
+    replica_router: str = option("cache_aware", "with --replicas > 1: which replica takes a request (cache_aware: "
+                                 "the longest routed prompt prefix unless loads are imbalanced)",
+                                 choices=REPLICA_ROUTERS)
 
     def __post_init__(self) -> None:
         _check_int("port", self.port, 0)
+        _check_int("replicas", self.replicas, 1)
+        _check_choice("replica_router", self.replica_router, REPLICA_ROUTERS)
         if self.port > 65535:
             raise InvalidParameterError("port", f"port must be in 0-65535, got {self.port}")
         _check_int("max_waiting", self.max_waiting, 1)

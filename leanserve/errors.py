@@ -49,3 +49,11 @@ class KVCapacityError(LeanserveError):
     def __init__(self, message: str, param: str = "max_tokens") -> None:
         super().__init__(message)
         self.param = param
+
+
+class InvalidGrammarError(InvalidParameterError):
+    """A structured-output constraint (JSON schema, regex, choice, EBNF grammar, tool schema) that is invalid or
+    that the grammar engine does not support; the message names the problem, ``param`` the request field."""
+
+    def __init__(self, message: str, param: str = "structured_outputs") -> None:
+        super().__init__(param, message)

@@ -107,3 +107,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # of the first choice
+    # with SamplingParams.prompt_logprobs: per prompt token, that token and the top-N (None for the first token);
+    # set once the whole prompt was computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

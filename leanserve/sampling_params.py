@@ -7,6 +7,7 @@ and the OpenAI API reference for the penalties. Every check raises
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,70 @@ def _check_bool(name: str, value: Any) -> None:
         raise InvalidParameterError(name, f"{name} must be a boolean, got {value!r}")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one of the fields is set.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text): the output is one JSON value valid under it.
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (GBNF / xgrammar syntax, with a ``root`` rule).
+        json_object: True: the output is one JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        structural_tag: an xgrammar structural tag (its JSON text), e.g. the tool-call format of ``tools``.
+
+    The grammar itself is compiled, and checked, at admission (``leanserve.structured.GrammarCompiler``).
+
+    Raises:
+        InvalidParameterError: (param ``"structured_outputs"``) none or several set, or a field of the wrong type.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        name = "structured_outputs"
+        set_fields = [f for f in self._KINDS if getattr(self, f) is not None and getattr(self, f) is not False]
+        if len(set_fields) != 1:
+            raise InvalidParameterError(name, f"exactly one of {', '.join(self._KINDS)} must be set, "
+                                        f"got {set_fields or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise InvalidParameterError(name, f"json must be a JSON schema (an object or its text), got {self.json!r}")
+        for f in ("regex", "grammar", "structural_tag"):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), str):
+                raise InvalidParameterError(name, f"{f} must be a string, got {getattr(self, f)!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidParameterError(name, f"choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise InvalidParameterError(name, "choice must not be empty")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise InvalidParameterError(name, f"json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: what identifies the compiled grammar (``json`` as canonical JSON text)."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order: the output's
+            return "json", text
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        if self.structural_tag is not None:
+            return "structural_tag", self.structural_tag
+        return "json_object", ""
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request (vLLM's names and defaults).
@@ -66,9 +131,15 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logprobs: how many top alternatives to return per generated token besides the chosen one;
             None = no logprobs; 0..20.
+        prompt_logprobs: how many top alternatives to return per prompt token besides the prompt token itself
+            (vLLM's semantics: ``RequestOutput.prompt_logprobs``, the first token's entry None); None = none;
+            0..20. Such a request skips the prefix-cache lookup (as vLLM), so every position is computed.
         skip_special_tokens: leave special tokens out of the detokenized text.
         speculative: let the engine's speculative decoding (when configured) draft tokens for this request;
             False turns it off for this request only (the output is the same either way).
+        structured_outputs: a grammar the output must follow (:class:`StructuredOutputsParams`); its mask is
+            applied before each draw, and EOS is allowed only where the grammar accepts. Not with ``ignore_eos``
+            or ``min_tokens`` (the grammar decides where the output ends).
 
     Raises:
         InvalidParameterError: on construction, when a value has the wrong type or is out of range;
@@ -91,8 +162,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -143,9 +216,22 @@ class SamplingParams:
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
 
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidParameterError("structured_outputs", "structured_outputs must be a "
+                                            f"StructuredOutputsParams, got {self.structured_outputs!r}")
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise InvalidParameterError(name, f"{name} cannot be combined with structured outputs: the "
+                                                "grammar decides where the output ends")
+
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidParameterError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                                        f"got {self.prompt_logprobs}")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

@@ -64,3 +64,28 @@ def _kv_leak_check(request):
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+def kernel_isa_paths() -> list[str]:
+    """The native kernels' instruction-set paths to test on this machine: "native" (AVX-512 and VNNI where the CPU
+    has them), and the forced "avx2" path where the CPU has AVX-512 (elsewhere "native" already is AVX2)."""
+    from leanserve.kernels import cpu_info
+
+    return ["native", "avx2"] if "avx512f" in cpu_info()["simd"] else ["native"]
+
+
+_ISA_OPS: dict = {}
+
+
+def use_kernel_isa(request, monkeypatch, module) -> None:
+    """For a fixture parametrized over :func:`kernel_isa_paths`: ``module.native_ops()`` returns that path's
+    extension (built once per session) for the test."""
+    from leanserve.kernels import build_native_ops, native_ops
+
+    isa = request.param
+    if isa not in _ISA_OPS:
+        _ISA_OPS[isa] = native_ops() if isa == "native" else build_native_ops(isa)
+    ops = _ISA_OPS[isa]
+    if ops is None:
+        pytest.skip("the native kernels did not build")
+    monkeypatch.setattr(module, "native_ops", lambda: ops)

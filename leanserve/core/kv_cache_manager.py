@@ -75,12 +75,13 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks, leaving at least ``min_uncached_tokens`` of its
-        tokens (always the last one) to compute.
+        tokens (always the last one) to compute. None for a request that asks for prompt logprobs (as vLLM): every
+        prompt position must run through the model, so its logprobs do not depend on what the cache held.
 
         Returns:
             (blocks, num_tokens): the cached blocks and the number of tokens they cover.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = max(0, request.num_tokens - self.min_uncached_tokens) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from leanserve.core.kv_cache_manager import KVCacheManager, cdiv
 from leanserve.core.request import Request, RequestStatus
 
+# Prefill chunks of a request that asks for prompt logprobs are cut at multiples of this many tokens (but the last):
+# the CPU attention sums a row's keys in SIMD vectors of up to 16 floats, and a chunk ending mid-vector rounds its
+# last rows differently from a cold prefill; aligned chunks keep the prompt's logprobs bitwise the same whatever
+# the step budget left them (tests/engine/test_prompt_logprobs.py).
+PROMPT_LOGPROBS_CHUNK_MULTIPLE = 16
+
 
 @dataclass
 class ScheduledRequest:
@@ -155,7 +161,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, self._multiple(req))
             spec = self._drafts(req, budget, reserve=len(order) - idx - 1) if num_new == 1 else []
             if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
                 spec = []  # no room for the drafts: a plain decode (no preemption for speculation)
@@ -184,7 +190,7 @@ class Scheduler:
             if self._is_long(remaining) and num_long >= self.max_long_partial_prefills:
                 skipped.append(req)  # another long prompt is prefilling: let shorter requests pass
                 continue
-            num_new = self._chunk(remaining, budget)
+            num_new = self._chunk(remaining, budget, self._multiple(req))
             if not self.kv.allocate_slots(req, num_new, hits):
                 skipped.append(req)
                 continue
@@ -221,9 +227,13 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         return threshold is not None and remaining > threshold
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    @staticmethod
+    def _multiple(req: Request) -> int:
+        return PROMPT_LOGPROBS_CHUNK_MULTIPLE if req.sampling_params.prompt_logprobs is not None else 1
+
+    def _chunk(self, remaining: int, budget: int, multiple: int = 1) -> int:
         """Tokens to compute now for a request with ``remaining`` uncomputed tokens and ``budget`` left in the
-        step."""
+        step; a piece that does not finish is cut to a multiple of ``multiple`` when that leaves one."""
         n = min(remaining, budget)
         if self._is_long(n):
             n = self.long_prefill_token_threshold
@@ -233,6 +243,8 @@ class Scheduler:
                 n = remaining  # finish now, a little over the long-prompt threshold
             elif n - (self.min_chunk_tokens - left) >= self.min_chunk_tokens:
                 n -= self.min_chunk_tokens - left
+        if n < remaining and n // multiple * multiple >= self.min_chunk_tokens:
+            n = n // multiple * multiple
         return n
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[StepResult]:

@@ -10,10 +10,12 @@ vocabulary, prompt + ``max_tokens`` against the context, and the request against
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from leanserve.core.kv_cache_manager import cdiv
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.sampling_params import SamplingParams
+from leanserve.structured.grammar import GrammarCompiler
 from leanserve.tokenizer import Tokenizer
 
 
@@ -27,12 +29,14 @@ class AdmittedRequest:
         params: its sampling parameters (``params.n`` sequences share the prompt).
         max_tokens: the resolved limit on output tokens: ``params.max_tokens``, or what is left of the context
             and the KV pool when that is None; prompt + max_tokens fits both.
+        grammar: the compiled grammar of ``params.structured_outputs`` (an ``xgrammar.CompiledGrammar``), or None.
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    grammar: Any = None
 
 
 class RequestAdmission:
@@ -44,11 +48,13 @@ class RequestAdmission:
         max_model_len: longest sequence, prompt + output, in tokens.
         block_size: tokens per KV block.
         num_blocks: blocks in the whole KV pool.
+        grammars: compiles structured-output constraints (default: one for ``tokenizer`` and ``vocab_size``).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -100,13 +106,18 @@ class RequestAdmission:
             ContextLengthExceededError: prompt (+ ``max_tokens``) longer than ``max_model_len``; ``param`` is
                 "prompt" or "max_tokens".
             KVCapacityError: prompt + output cannot fit in the whole KV pool.
+            InvalidGrammarError: ``params.structured_outputs`` is an invalid or unsupported constraint
+                (param ``"structured_outputs"``).
         """
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParameterError("stop_token_ids",
                                         f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         ids = self.tokenize(prompt)
         max_tokens = self._resolve_max_tokens(len(ids), params)
-        return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, grammar)
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -28,6 +28,7 @@ from leanserve.sampling_params import SamplingParams
 from leanserve.spec_decode.draft_model import DraftModelProposer
 from leanserve.spec_decode.ngram import NgramProposer
 from leanserve.spec_decode.policy import SpeculationPolicy, StepCostModel
+from leanserve.structured.grammar import GrammarState
 from leanserve.worker.cpu_threads import set_num_threads
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
@@ -226,6 +227,8 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(cid, admitted.prompt_token_ids, child_params, admitted.max_tokens,
                             self.tokenizer.stop_token_ids, arrival_time=arrival, priority=priority)
+            if admitted.grammar is not None:
+                self.runner.grammars[cid] = GrammarState(admitted.grammar)
             self.scheduler.add_request(child)
             children.append(child)
         parent = ParentState(request_id, admitted.prompt, admitted.prompt_token_ids)
@@ -258,6 +261,8 @@ class LLMEngine:
         if self.drafter is not None:
             self._draft(sched_out)
         runner_out = self.runner.execute_model(sched_out)
+        for rid, chunk in runner_out.prompt_logprobs.items():
+            self.processor.add_prompt_logprobs(rid, chunk)
         for res in self.scheduler.update_from_output(sched_out, runner_out.sampled):
             req = res.request
             if res.num_draft_tokens:
@@ -319,6 +324,7 @@ class LLMEngine:
             self._spec_per_pos[i] += 1
 
     def _forget_drafts(self, request_id: str) -> None:
+        self.runner.grammars.pop(request_id, None)  # a finished request's grammar state too
         if self.spec_policy is not None:
             (self.proposer if self.proposer is not None else self.drafter).reset(request_id)
             self.spec_policy.reset(request_id)

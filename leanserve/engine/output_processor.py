@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from leanserve.core.request import Request, RequestStatus
 from leanserve.engine.detokenizer import IncrementalDetokenizer
 from leanserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from leanserve.worker.prompt_logprobs import PromptLogprobsChunk
 from leanserve.worker.sampler import TokenLogprobs
 
 
@@ -29,6 +30,7 @@ class ParentState:
     prompt_token_ids: list[int]
     choices: dict[str, ChoiceState] = field(default_factory=dict)  # child request id -> state
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled chunk by chunk when asked
 
 
 def metrics_of(req: Request) -> RequestMetrics:
@@ -53,6 +55,8 @@ class OutputProcessor:
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         """Register a request's choices (index = position in ``children``)."""
+        if children and children[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for i, child in enumerate(children):
             params = child.sampling_params
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
@@ -70,6 +74,22 @@ class OutputProcessor:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def add_prompt_logprobs(self, request_id: str, chunk: PromptLogprobsChunk) -> None:
+        """Append a chunk of the prompt's logprobs (positions already held, as after a preemption's recompute or
+        from another choice of the same prompt, are skipped: they are the same)."""
+        parent = self.parents[self.child_to_parent[request_id]]
+        held = parent.prompt_logprobs
+        if held is None or chunk.start + len(chunk.entries) <= len(held):
+            return
+        if chunk.start > len(held):
+            raise ValueError(f"prompt logprobs of {request_id} from position {chunk.start}, {len(held)} held")
+        for lp in chunk.entries[len(held) - chunk.start:]:
+            entry = {lp.token_id: Logprob(lp.logprob, rank=lp.rank, decoded_token=self._token_text(lp.token_id))}
+            for r, (tid, v) in enumerate(lp.top):
+                if tid not in entry:
+                    entry[tid] = Logprob(v, rank=r + 1, decoded_token=self._token_text(tid))
+            held.append(entry)
 
     def update(self, req: Request, new_token_ids: list[int],
                logprobs: TokenLogprobs | list[TokenLogprobs] | None) -> bool:
@@ -148,9 +168,11 @@ class OutputProcessor:
                 out.metrics = metrics_of(req)
             outputs.append(out)
         finished = all(c.output.finish_reason is not None for c in parent.choices.values())
+        plp = parent.prompt_logprobs
         result = RequestOutput(request_id=parent_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
                                outputs=[_copy(o) for o in outputs], finished=finished,
-                               num_cached_tokens=parent.num_cached_tokens, metrics=outputs[0].metrics)
+                               num_cached_tokens=parent.num_cached_tokens, metrics=outputs[0].metrics,
+                               prompt_logprobs=plp if plp and len(plp) == len(parent.prompt_token_ids) else None)
         for out in outputs:  # a delta is reported once
             out.delta_text, out.delta_token_ids = "", []
         if finished:

@@ -29,6 +29,10 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fuse
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
+ISA_ENV = "LEANSERVE_KERNEL_ISA"
+# Instruction-set paths: "native" compiles for this CPU (AVX-512 and VNNI where present); "avx2" turns AVX-512 and
+# AVX-VNNI off, which gives an AVX2-only machine's code (a stand-in, tested on AVX-512 machines).
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 
 
 def _cpu_identity() -> str:
@@ -43,14 +47,44 @@ def _cpu_identity() -> str:
         return platform.machine() + "|" + platform.processor()
 
 
-def build_key() -> str:
+# The SIMD features the kernels (or torch's) can use, as /proc/cpuinfo names them.
+SIMD_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
+                 "amx_int8", "amx_bf16")
+
+
+def cpu_info() -> dict:
+    """``{"model": str, "simd": [the SIMD_FEATURES present], "cpu_count": int}`` of this machine, for benchmark
+    results (which kind of machine a number was measured on)."""
+    model, _, flags = _cpu_identity().partition("|")
+    present = set(flags.partition(":")[2].split())
+    return {"model": model.partition(":")[2].strip() or platform.processor(),
+            "simd": [f for f in SIMD_FEATURES if f in present], "cpu_count": os.cpu_count()}
+
+
+def kernel_isa() -> str:
+    """The instruction-set path asked for by ``$LEANSERVE_KERNEL_ISA`` ("native", the default, or "avx2").
+
+    Raises:
+        ValueError: another value."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"${ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {isa!r}")
+    return isa
+
+
+def cflags(isa: str = "native") -> tuple[str, ...]:
+    """The compiler flags of an instruction-set path (see ``ISA_FLAGS``)."""
+    return _CFLAGS + ISA_FLAGS[isa]
+
+
+def build_key(isa: str = "native") -> str:
     """12 hex digits of a SHA-256 over the kernel sources and headers, the flags, torch's version and the CPU."""
     import torch
 
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update(name.encode() + b"\0" + (_DIR / name).read_bytes() + b"\0")
-    h.update(" ".join(_CFLAGS).encode() + b"\0" + torch.__version__.encode() + b"\0" + _cpu_identity().encode())
+    h.update(" ".join(cflags(isa)).encode() + b"\0" + torch.__version__.encode() + b"\0" + _cpu_identity().encode())
     return h.hexdigest()[:12]
 
 
@@ -71,7 +105,8 @@ def _staged_sources(key: str) -> list[str]:
 @functools.cache
 def native_ops() -> ModuleType | None:
     """The compiled kernels (one extension, so they share one thread pool, see spin_pool.h), or None when they
-    cannot be built or ``$LEANSERVE_DISABLE_NATIVE_KERNELS`` is set (then callers use the torch paths):
+    cannot be built or ``$LEANSERVE_DISABLE_NATIVE_KERNELS`` is set (then callers use the torch paths), for the
+    instruction-set path of ``$LEANSERVE_KERNEL_ISA`` (:func:`kernel_isa`):
 
     * ``paged_decode_attention`` (paged_attention.cpp): decode attention read in place from the paged KV cache;
     * ``block_quant_gemm``, ``block_dequantize`` (block_quant_gemm.cpp): GGUF Q4_0/Q4_1/Q8_0 weights in their
@@ -82,15 +117,25 @@ def native_ops() -> ModuleType | None:
     if os.environ.get(_DISABLE_ENV):
         return None
     try:
-        if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        from torch.utils.cpp_extension import load
-
-        key = build_key()
-        return load(name=f"leanserve_kernels_{key}", sources=_staged_sources(key), extra_cflags=list(_CFLAGS),
-                    verbose=False)
+        return build_native_ops(kernel_isa())
     except Exception as e:  # compiler or ninja missing, headers mismatch: keep serving on the torch path
         logger.warning("native kernels unavailable (%s); using the torch paths", e)
         return None
+
+
+def build_native_ops(isa: str) -> ModuleType:
+    """Builds (once per :func:`build_key`) and loads the extension of one instruction-set path.
+
+    Raises:
+        ValueError: an unknown ``isa``; the compiler's or torch's exception when the build fails."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown kernel ISA {isa!r} (one of {', '.join(ISA_FLAGS)})")
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils.cpp_extension import load
+
+    key = build_key(isa)
+    return load(name=f"leanserve_kernels_{key}", sources=_staged_sources(key), extra_cflags=list(cflags(isa)),
+                verbose=False)

@@ -6,7 +6,9 @@
 //   8-bit: w = d[n, b] * q                  (q in -128..127, Q8_0)
 // Activations are quantized per row and block to int16 (dx = max|x| / 32767, relative error <= 2**-16 of the
 // block's largest value, far below fp32 GEMM noise at these widths), so each block's dot product is an exact int32
-// sum of int16 x 16-bit products (AVX2 vpmaddwd), scaled once per block in fp32:
+// sum of int16 x 16-bit products (AVX2 vpmaddwd + vpaddd, or one AVX-512 VNNI / AVX-VNNI vpdpwssd where the build
+// targets a CPU that has it: the same int32 sums, so both paths give bit-identical results), scaled once per block
+// in fp32:
 //   y = sum_b d[n, b] * dx[m, b] * sum_j q[n, j] * xq[m, j]  +  sum_b mn[n, b] * sum_j x[m, j]   (the second sum in fp32).
 // This is llama.cpp's scheme (ggml_vec_dot_q4_1_q8_1) with 16-bit instead of 8-bit activations.
 //
@@ -256,6 +258,18 @@ void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_
 constexpr int64_t kLaneRowsPerTask = 96;  // activation rows per task (~110 KB of int16 at K = 576: stays in L2)
 
 #ifdef LS_AVX2
+// acc + the pairwise int16 dot products of a and b (int32 lanes): one AVX-512 VNNI instruction where the build
+// has it, else AVX2's multiply-add then add.
+inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 inline __m256i bcast_pair(const int16_t* p) {  // xq[k], xq[k + 1] in every int32 lane
   int32_t pair;
   std::memcpy(&pair, p, sizeof(pair));
@@ -295,8 +309,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
           for (int t = 0; t < T; ++t) {
             const __m256i xa = bcast_pair(xb + t * K + 2 * p), xc = bcast_pair(xb + t * K + 16 + 2 * p);
             for (int g = 0; g < S; ++g)
-              acci[t][g] = _mm256_add_epi32(acci[t][g], _mm256_add_epi32(_mm256_madd_epi16(lo[g], xa),
-                                                                           _mm256_madd_epi16(hi[g], xc)));
+              acci[t][g] = dot_acc(dot_acc(acci[t][g], lo[g], xa), hi[g], xc);
           }
         }
       } else {
@@ -307,7 +320,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + g * kBlockBytes + p * 16)));
           for (int t = 0; t < T; ++t) {
             const __m256i xv = bcast_pair(xb + t * K + 2 * p);
-            for (int g = 0; g < S; ++g) acci[t][g] = _mm256_add_epi32(acci[t][g], _mm256_madd_epi16(w[g], xv));
+            for (int g = 0; g < S; ++g) acci[t][g] = dot_acc(acci[t][g], w[g], xv);
           }
         }
       }
@@ -401,6 +414,7 @@ torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(bits == 8 || (mn.is_contiguous() && mn.dtype() == torch::kFloat16 && mn.sizes() == d.sizes()),
               "mn must be [N, K/32] float16");
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
   const auto* wq = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   if (bits == 4) {
@@ -492,6 +506,7 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
   TORCH_CHECK(bits == 8 || (ml.is_contiguous() && ml.dtype() == torch::kFloat16 && ml.numel() == N * nb),
               "ml must be [N/64, K/32, 8, 8] float16 for 4-bit weights");
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;  // no rows: nothing to split into tasks
   const auto* wl = static_cast<const uint8_t*>(lanes.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(dl.data_ptr<at::Half>());
   if (bits == 4) {

@@ -7,6 +7,7 @@ table and per-chunk prefill metadata. Logits are computed only at the positions 
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,19 +20,25 @@ from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache
 from leanserve.sampling_params import SamplingParams
+from leanserve.structured.grammar import GrammarState, bitmask_words
+from leanserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_rows
 from leanserve.worker.rejection_sampler import accept_one_hot
 from leanserve.worker.sampler import Sampler, SamplingState, TokenLogprobs
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ModelRunnerOutput:
     """Tokens sampled in one step, by request id: one token, or for a request that verified drafts the accepted
-    drafts and the token after them; logprobs (when asked) one entry per token."""
+    drafts and the token after them; logprobs (when asked) one entry per token; prompt_logprobs (when asked) the
+    prompt tokens this step's chunk scored."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int | list[int], block_size: int, dtype: torch.dtype | None = None,
@@ -105,6 +112,9 @@ class ModelRunner:
         self.device = model.device
         self._rng = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
+        # structured outputs: request id -> its grammar's matcher (the engine adds and drops them: a finished id may
+        # be reused by a new request before this runner sees finished_req_ids)
+        self.grammars: dict[str, GrammarState] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
         self.local_block_map: torch.Tensor | None = None  # AttentionMetadata.local_block_map, set by the engine
         k_cache = kv_caches[0][0] if kv_caches else None
@@ -216,6 +226,43 @@ class ModelRunner:
             times[n] = min(samples[1:])
         return times
 
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor,
+                         result: ModelRunnerOutput) -> None:
+        """Score the prompt tokens that the chunks of requests asking for prompt logprobs cover (rows of ``hidden``
+        in ``scheduled`` order)."""
+        row = 0
+        for s in scheduled:
+            req, first = s.request, row
+            row += s.num_new_tokens
+            num_top = req.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            rows = prompt_rows(req.num_computed_tokens, s.num_new_tokens - len(s.spec_token_ids),
+                               req.num_prompt_tokens)
+            if rows:
+                q = first - req.num_computed_tokens  # flat row of position 0
+                entries = compute_prompt_logprobs(self.model, hidden[q + rows.start:q + rows.stop], rows.start,
+                                                  req.prompt_token_ids[rows.start + 1:rows.stop + 1], num_top)
+                result.prompt_logprobs[req.request_id] = PromptLogprobsChunk(rows.start + 1, entries)
+
+    def _grammar_bitmask(self, sampling: list[ScheduledRequest], num_rows: int, vocab: int
+                         ) -> tuple[torch.Tensor, list[int]] | None:
+        """Structured outputs: the step's token bitmask (all allowed) with the rows of grammar requests filled,
+        and those rows; None when no request of the step has a grammar. A request with drafts gets one row per
+        draft the grammar accepts, each from the state after the drafts before it (masked verification)."""
+        if not self.grammars:
+            return None
+        bitmask, rows, row = None, [], 0
+        for s in sampling:
+            grammar = self.grammars.get(s.request.request_id)
+            if grammar is not None:
+                if bitmask is None:
+                    bitmask = torch.full((num_rows, bitmask_words(vocab)), -1, dtype=torch.int32)
+                n = grammar.fill_rows(bitmask, row, s.spec_token_ids)
+                rows.extend(range(row, row + n))
+            row += len(s.spec_token_ids) + 1
+        return (bitmask, rows) if rows else None
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over all scheduled tokens, then sample where a request reached its end."""
@@ -229,6 +276,7 @@ class ModelRunner:
                                                          s.request.num_computed_tokens))
         input_ids, positions, meta, logits_idx = self.build_inputs(scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        self._prompt_logprobs(scheduled, hidden, result)
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
             return result
@@ -242,7 +290,7 @@ class ModelRunner:
             for j in range(len(s.spec_token_ids) + 1):
                 outputs = req.output_token_ids + s.spec_token_ids[:j] if j else req.output_token_ids
                 states.append(SamplingState(req.sampling_params, req.prompt_token_ids, outputs, g))
-        sampler_out = self.sampler(logits, states)
+        sampler_out = self.sampler(logits, states, self._grammar_bitmask(sampling, len(states), logits.shape[1]))
         row = 0
         for s in sampling:
             rid, k = s.request.request_id, len(s.spec_token_ids)
@@ -258,6 +306,9 @@ class ModelRunner:
                     for _ in range(a + 1):
                         torch.rand((), dtype=torch.float64, generator=g)
             result.sampled[rid] = tokens
+            grammar = self.grammars.get(rid)
+            if grammar is not None and not grammar.accept(tokens):
+                logger.error("request %s: its grammar refused the sampled tokens %s", rid, tokens)
             if lps[0] is not None:
                 result.logprobs[rid] = lps
         return result

@@ -9,7 +9,8 @@ Order of operations (as vLLM's v1 sampler):
    paper eq. 3: a positive logit is divided by the penalty, a negative one multiplied);
 4. presence / frequency penalties over output tokens (OpenAI API reference, "frequency and presence
    penalties": ``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``);
-5. greedy rows take the argmax; sampled rows: temperature, softmax, top-k, top-p, min-p, then one draw
+5. structured outputs: the grammar's token bitmask sets forbidden tokens to -inf (rows that have one);
+6. greedy rows take the argmax; sampled rows: temperature, softmax, top-k, top-p, min-p, then one draw
    from the row's own ``torch.Generator``.
 
 A draw takes one uniform number per row (inverse CDF: the first token whose cumulative probability
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from leanserve.sampling_params import SamplingParams
+from leanserve.structured.grammar import apply_token_bitmask
 
 import torch
 
@@ -96,12 +98,16 @@ class Sampler:
         # page faults than the op itself (softmax(x / t) takes ~5x longer than into a reused buffer).
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState],
+                 token_bitmask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
         """Pick the next token of every row.
 
         Args:
             logits: ``[num_reqs, vocab]`` float32 or bfloat16 (cast to float32; never modified).
             states: ``num_reqs`` rows, in the order of the logits' rows.
+            token_bitmask: structured outputs: ``(bitmask, rows)``, a ``[num_reqs, ceil(vocab / 32)]`` int32
+                bitmask (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed) applied to the listed rows
+                only, after the penalties and before the draw.
 
         Returns:
             the chosen ids and, for rows that asked, their logprobs from the raw logits.
@@ -118,12 +124,15 @@ class Sampler:
         mask_rows = [i for i in rows if len(states[i].output_token_ids) < params[i].min_tokens]
         rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
         pf_rows = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
-        work = self._buf("work", x).copy_(x) if mask_rows or rep_rows or pf_rows else x  # x stays raw
+        g_rows = token_bitmask[1] if token_bitmask is not None else []
+        work = self._buf("work", x).copy_(x) if mask_rows or rep_rows or pf_rows or g_rows else x  # x stays raw
         self._mask_stop_tokens(work, mask_rows, states)
         if rep_rows:
             _repetition_penalty(work, rep_rows, states)
         if pf_rows:
             _presence_frequency_penalty(work, pf_rows, states)
+        if g_rows:
+            apply_token_bitmask(work, token_bitmask[0], g_rows)
 
         greedy = [i for i in rows if params[i].is_greedy]
         sampled = [i for i in rows if not params[i].is_greedy]

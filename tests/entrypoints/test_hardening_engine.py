@@ -225,3 +225,51 @@ def wait_idle(llm, engine) -> None:
                    lambda s: s == (0, 0, False))
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------- unhandled exceptions
+def test_an_unhandled_error_is_a_500_envelope_and_the_connection_stays_open():
+    """A bug in a route (here the tokenizer raising) answers 500 in the envelope; the same keep-alive connection
+    then serves the next request (uvicorn closes it when Starlette's outermost handler re-raises)."""
+    import json
+    import socket
+    import time
+
+    import uvicorn
+
+    def broken_encode(*args, **kwargs):
+        raise RuntimeError("tokenizer bug")
+
+    fake = FakeEngine()
+    fake.tokenizer = type("Tok", (), {"encode": staticmethod(broken_encode), "vocab_size": 10})()
+    engine = AsyncEngine(fake)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "fake"), host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            stream = sock.makefile("rb")
+
+            def exchange(method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+                sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                status = int(stream.readline().split()[1])
+                headers = {}
+                while (line := stream.readline()) not in (b"\r\n", b""):
+                    k, v = line.decode().split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+                assert headers.get("connection") != "close"
+                return status, stream.read(int(headers["content-length"]))
+
+            status, body = exchange("POST", "/tokenize", b'{"prompt": "hi"}')
+            assert status == 500
+            err = json.loads(body)["error"]
+            assert err["type"] == "server_error" and "tokenizer bug" in err["message"]
+            assert exchange("GET", "/health")[0] == 200  # same socket: still open
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()

@@ -74,10 +74,10 @@ def test_schema_documents_the_checks(schema):
     assert props["top_p"]["exclusiveMinimum"] == 0 and props["top_p"]["maximum"] == 1
     assert props["n"]["maximum"] == 128 and props["top_logprobs"]["maximum"] == 20
     assert props["stop"]["anyOf"][1]["maxItems"] == 32 and props["messages"]["maxItems"] == 4096
-    assert props["tools"]["anyOf"][0]["maxItems"] == 0  # not supported: only [] or null
+    assert props["tools"]["maxItems"] == 128 and "tool_choice" in props and "response_format" in props
     assert props["messages"]["minItems"] == 1
     message = schema["components"]["schemas"]["ChatMessage"]["properties"]
-    assert message["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert message["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
     completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["max_tokens"]["minimum"] == 0 and completion["max_tokens"]["default"] == 16
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.kernels import native_ops
 from leanserve.model.llama import rms_norm
@@ -10,7 +12,15 @@ from leanserve.model.rope import RotaryEmbedding, apply_rope
 import pytest
 import torch
 
+from tests.conftest import kernel_isa_paths, use_kernel_isa
+
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native fused ops did not build")
+
+
+@pytest.fixture(autouse=True, params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """Every test here runs on each instruction-set path of the kernels (see tests/conftest.py)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
 
 
 @pytest.mark.parametrize("t", [1, 5, 130])

@@ -44,3 +44,25 @@ def test_sources_are_staged_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch
     for name in kernels._SOURCES + kernels._HEADERS:
         assert (tmp_path / "leanserve_src_test0key" / name).read_bytes() == (kernels._DIR / name).read_bytes()
     assert kernels._staged_sources("test0key") == paths
+
+
+def test_cpu_info_names_this_machine():
+    from leanserve import kernels
+
+    info = kernels.cpu_info()
+    flags = kernels._cpu_identity().partition("|")[2].split()
+    assert info["cpu_count"] >= 1 and info["model"]
+    assert info["simd"] == [f for f in kernels.SIMD_FEATURES if f in flags]
+
+
+def test_kernel_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leanserve import kernels
+
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    assert kernels.kernel_isa() == "native"
+    monkeypatch.setenv(kernels.ISA_ENV, "AVX2")
+    assert kernels.kernel_isa() == "avx2" and kernels.build_key("avx2") != kernels.build_key("native")
+    assert "-mno-avx512f" in kernels.cflags("avx2")
+    monkeypatch.setenv(kernels.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="LEANSERVE_KERNEL_ISA must be one of native, avx2"):
+        kernels.kernel_isa()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import leanserve  # noqa: F401
 from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, DecodeGroup, paged_attention
@@ -10,7 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import kernel_isa_paths, use_kernel_isa
+
 BS, KVH, D = 16, 3, 64
+
+
+@pytest.fixture(params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """The native kernel's instruction-set paths (see tests/conftest.py)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
+    return request.param
 
 
 def dense_reference(q, keys, values):
@@ -24,7 +35,9 @@ def dense_reference(q, keys, values):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [9, 12])
 @pytest.mark.parametrize("native", [True, False])
-def test_decode_attention_matches_dense(native, heads, cache_dtype):
+def test_decode_attention_matches_dense(native, heads, cache_dtype, kernel_isa):
+    if not native and kernel_isa != "native":
+        pytest.skip("the torch path has no instruction-set variants")
     if native and native_ops() is None:
         pytest.fail("the native kernel did not build (a C++ compiler and ninja are installed by `make`)")
     gen = torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@ the weights are the file's exactly, and the products match fp32 dequantize-then-
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
@@ -23,9 +24,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from tests.conftest import kernel_isa_paths, use_kernel_isa
 from tests.loader.gguf_helpers import write_gguf_file
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native block kernel did not build")
+
+
+@pytest.fixture(autouse=True, params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """Every test here runs on each instruction-set path of the kernels (see tests/conftest.py)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
 
 # 3 tiles of 64 outputs (lane layout); 18 blocks per row (the block kernel's 2-way unrolled loop: an even count)
 OUT, IN = 192, 576
@@ -139,3 +147,10 @@ def test_file_layout_kernel_choice_per_row(tmp_path: Path, qtype: QT) -> None:
     xb = x[:4].to(torch.bfloat16)  # bf16 activations: computed in fp32, returned in bf16
     yb = w.matmul(xb, kernel_rows=4)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, w.kernel(xb.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_zero_rows_give_an_empty_product(tmp_path: Path, lanes: bool) -> None:
+    w, _ = _weight(tmp_path, QT.Q4_1, lanes=lanes)
+    y = w.kernel(torch.empty(0, IN))
+    assert y.shape == (0, OUT) and y.dtype == torch.float32

@@ -100,3 +100,42 @@ def test_bad_options_are_refused_before_anything_is_read():
         run_advise_cli(parse("--interval", "0"), lambda p, o: "x", out=io.StringIO(), log=lambda _: None)
     with pytest.raises(ValueError, match="--serve-args"):
         run_advise_cli(parse("--serve-args", "--bogus 1"), lambda p, o: "x", out=io.StringIO(), log=lambda _: None)
+
+
+def test_against_a_real_llama_server_with_traffic():
+    """The real peer (built by ../shared/tools/build-llama-cpp.sh; skipped where it is not built): advise reads
+    llama-server's own /metrics under load, names what it cannot see and recommends measuring first."""
+    import httpx
+
+    from benchmarks.common import LlamaServer, find_llama_server
+    from tests.conftest import DEFAULT_GGUF, default_model_dir
+
+    binary = find_llama_server(None)
+    if binary is None:
+        pytest.skip("llama-server is not built (../shared/tools/build-llama-cpp.sh)")
+    with LlamaServer(binary, f"{default_model_dir()}/{DEFAULT_GGUF}", slots=2, ctx_per_slot=512, threads=1,
+                     extra_args=["--metrics"]) as srv:
+        stop = threading.Event()
+
+        def traffic() -> None:
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                while not stop.is_set():
+                    c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Name a river."}],
+                                                         "max_tokens": 8})
+
+        worker = threading.Thread(target=traffic, daemon=True)
+        worker.start()
+        out = io.StringIO()
+        try:
+            code = run_advise_cli(parse("--base-url", srv.url, "--duration", "3", "--interval", "0.5", "--json"),
+                                  lambda p, o: "customer-service", out=out, log=lambda _: None)
+        finally:
+            stop.set()
+            worker.join(60)
+    assert code == 0
+    doc = json.loads(out.getvalue())
+    m = doc["metrics"]
+    assert m["server_kind"] == "llama.cpp" and m["model"].endswith(DEFAULT_GGUF)
+    assert m["output_throughput"] > 0 and m["ttft_ms"] is None
+    assert {"TTFT distribution", "queue time", "prefix-cache hit rate"} <= {what for what, _ in m["unseen"]}
+    assert doc["recommendations"][0]["id"] == "missing-metrics"

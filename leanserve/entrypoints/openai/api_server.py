@@ -28,7 +28,7 @@ from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.entrypoints.openai import openapi
-from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, ServerGate
+from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, InternalErrorGuard, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
 from leanserve.entrypoints.openai.protocol import (
@@ -58,6 +58,7 @@ from leanserve.entrypoints.openai.serving_common import (
 from leanserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from leanserve.entrypoints.openai.tenants import TENANT_KEY, TenantLimits, TenantRegistry
 from leanserve.errors import InvalidParameterError
+from leanserve.structured.tools import render_messages
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -124,6 +125,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.limits = limits
+    app.add_middleware(InternalErrorGuard)
     app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
     openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
@@ -216,8 +218,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             try:
-                text = tokenizer.apply_chat_template([m.to_template_dict() for m in req.messages],
-                                                     add_generation_prompt=req.add_generation_prompt)
+                messages = [m.to_template_dict() for m in req.messages]
+                if any(m.role == "tool" or m.tool_calls for m in req.messages) and \
+                        "tools" not in (tokenizer.chat_template or ""):
+                    messages = render_messages(messages, None)  # as chat renders a history with tool calls
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except InvalidParameterError as exc:
                 raise to_openai_error(exc) from None
             ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -351,8 +356,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
     app = build_app(engine, name, tenants=tenants, limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
                     stall_timeout=sc.engine_stall_timeout)
+    # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
+    # pick up, so one server would behave differently with and without the extra
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
-                            lifespan="on")
+                            lifespan="on", loop="asyncio", http="h11")
     server = LeanserveServer(config, engine,
                              lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, tenants is not None),
                              shutdown_timeout=sc.shutdown_timeout)

@@ -8,17 +8,23 @@ In order, for every path but ``/health`` and ``/metrics`` (probes and scrapers a
 3. the tenant: the ``Authorization`` key resolved to a tenant (``scope[TENANT_KEY]``; None for none or a wrong key,
    which the route answers with 401), and for a generation request its limits: 429 + ``Retry-After``; an admitted
    request counts as in flight until its response has been sent (streams included) or the client left.
+
+:class:`InternalErrorGuard`, innermost, answers an exception no route handled with a 500 envelope on the same
+connection, which stays open for the client's next request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.entrypoints.openai.limits import BodyLimitExceeded, RequestLimits
-from leanserve.entrypoints.openai.serving_common import OpenAIError
+from leanserve.entrypoints.openai.serving_common import OpenAIError, to_openai_error
 from leanserve.entrypoints.openai.tenants import TENANT_KEY, TenantRegistry
+
+logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -121,3 +127,35 @@ def _counting(receive: Any, limit: int) -> Any:
         return message
 
     return counted
+
+
+class InternalErrorGuard:
+    """ASGI middleware (innermost): an exception escaping a route before its response started becomes a 500 in
+    the OpenAI envelope (``to_openai_error``), logged with its traceback.
+
+    Starlette runs an app-level handler for ``Exception`` in its outermost middleware, which answers and then
+    re-raises, and uvicorn closes the connection on the re-raise; answered here, the exception ends with the
+    response and a keep-alive connection serves the client's next request. An exception after the response
+    started (a stream already sending) is re-raised: the connection cannot carry a second response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message.get("type") == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error on %s", scope.get("path"))
+            await send_error(send, to_openai_error(exc))

@@ -32,7 +32,7 @@ class RequestLimits:
     max_prompts: int = 256  # prompts in one completions batch
     max_stop: int = 32  # stop strings
     max_stop_token_ids: int = 256
-    max_tools: int = 128  # OpenAI's own limit (leanserve rejects tools anyway)
+    max_tools: int = 128  # OpenAI's own limit
     max_token_ids: int = 1 << 17  # token ids of one /detokenize request
 
 

@@ -5,8 +5,8 @@ depth and list limits, exact messages), so FastAPI sees no body parameter; each 
 pydantic request model here (``openapi_extra``), and :func:`install` adds the models' JSON schemas (validation
 mode) to ``components.schemas``. What the schema says is what the handlers accept: the ``model`` field is the
 served name (any other is a 404), the ranges that the sampling parameters check are given as ``minimum`` /
-``maximum``, token ids as ``[0, vocab_size)``, the list limits as ``maxItems``, the unsupported fields (``tools``,
-``logit_bias``, ``suffix``, ``response_format`` other than text) as empty-only, and the rules between fields
+``maximum``, token ids as ``[0, vocab_size)``, the list limits as ``maxItems``, the unsupported fields
+(``logit_bias``, ``suffix``) as empty-only, and the rules between fields
 (``stream_options`` needs ``stream``, ``top_logprobs`` needs ``logprobs``, no ``echo`` with ``logprobs``, content
 for every message but an assistant's, exactly one of ``prompt`` and ``messages`` for ``/tokenize``) as
 ``anyOf`` / ``oneOf``. All of it is documentation: the checks and their messages stay in the handlers and
@@ -127,11 +127,6 @@ def _field_rules(components: dict[str, Any], limits: RequestLimits, vocab_size: 
                             {"properties": {"stream_options": {"type": "null"}}}]}]
         components[name]["allOf"] = rules
     chat = components["ChatCompletionRequest"]
-    chat["properties"]["tools"] = {**_nullable({"type": "array", "maxItems": 0}), "default": None,
-                                   "title": "Tools", "description": "not supported: null or [] only"}
-    chat["properties"]["response_format"] = {
-        **_nullable({"type": "object", "properties": {"type": {"const": "text"}}}), "default": None,
-        "title": "Response Format", "description": "only {\"type\": \"text\"}"}
     chat["allOf"].append({"anyOf": [{"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
                                     {"properties": {"top_logprobs": {"type": "null"}}}]})
     completion = components["CompletionRequest"]
@@ -157,6 +152,12 @@ def _field_rules(components: dict[str, Any], limits: RequestLimits, vocab_size: 
         {"required": ["content"], "properties": {"content": {"anyOf": [
             {"type": "string"},
             {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/TextContentPart"}}]}}}]
+    # a tool message answers a call (tool_call_id); only an assistant message makes calls
+    components["ChatMessage"]["allOf"] = [
+        {"anyOf": [{"properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}}},
+                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
+        {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
+                   {"properties": {"tool_calls": {"type": "null"}}}]}]
 
 
 def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits: RequestLimits) -> None:
@@ -168,7 +169,7 @@ def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits
     for name, extra in _RANGES.items():
         if name in props:
             props[name].update(extra)
-    max_items = {"messages": limits.max_messages, "tokens": limits.max_token_ids}
+    max_items = {"messages": limits.max_messages, "tokens": limits.max_token_ids, "tools": limits.max_tools}
     for name, n in max_items.items():
         if name in props:
             props[name]["maxItems"] = n

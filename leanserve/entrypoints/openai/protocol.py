@@ -45,10 +45,25 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    """A tool call in an assistant message of the history (or of a response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None  # None only for an assistant message
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="before")
     @classmethod
@@ -63,6 +78,10 @@ class ChatMessage(OpenAIBaseModel):
                     raise ValueError(f"content part of type {kind!r} is not supported: only text parts are")
         if data.get("role") != "assistant" and (content is None or content == []):
             raise ValueError(f"a {data.get('role')} message needs content (a string or text parts)")
+        if data.get("tool_calls") is not None and data.get("role") != "assistant":
+            raise ValueError("only an assistant message may have tool_calls")
+        if data.get("role") == "tool" and not isinstance(data.get("tool_call_id"), str):
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         return data
 
     def to_template_dict(self) -> dict[str, Any]:
@@ -72,7 +91,57 @@ class ChatMessage(OpenAIBaseModel):
         else:
             content = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        out: dict[str, Any] = {"role": role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF / xgrammar syntax) with a root rule
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -108,6 +177,12 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     speculative: bool = True  # leanserve: False turns the server's speculative decoding off for this request
     priority: int = 0
+    # vLLM's structured outputs (one constraint at most, also counting chat's response_format)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,8 +192,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
 class CompletionRequest(SamplingFields):
@@ -127,6 +205,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -207,13 +286,48 @@ class ChatLogprobToken(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's ``Logprob``: one token's entry in ``prompt_logprobs`` (keys of the dict are token ids)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token; None for the first
+
+
 class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class ResponseFunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(ResponseModel):
@@ -232,11 +346,13 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     timings: Timings | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when the request asked
 
 
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):
@@ -274,12 +390,16 @@ class CompletionChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when computed (prompt_logprobs, echo + logprobs)
+
+
 class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo
     timings: Timings | None = None
 

@@ -11,9 +11,16 @@ text arrives with a later chunk); without logprobs, steps that released no text 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai.prompt_logprobs import (
+    prompt_logprobs_json,
+    requested_prompt_logprobs,
+    with_prompt_logprobs,
+)
 from leanserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -23,7 +30,11 @@ from leanserve.entrypoints.openai.protocol import (
     ChatLogprobToken,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TopLogprob,
 )
 from leanserve.entrypoints.openai.serving_common import (
@@ -48,9 +59,11 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
+from leanserve.entrypoints.openai.structured_fields import constraint_of, tool_plan
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
+from leanserve.structured.tools import ToolCallDelta, ToolCallParser, render_messages
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -66,11 +79,20 @@ class OpenAIServingChat:
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
 
-    def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of the conversation: chat template applied, encoded without adding special tokens."""
+    def render_prompt(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation: chat template applied, encoded without adding special tokens. ``tools``
+        (and the history's tool calls and results) go to a template that renders tools, else into the hermes-style
+        fallback (:func:`leanserve.structured.tools.render_messages`)."""
         messages = [m.to_template_dict() for m in req.messages]
+        kwargs: dict[str, Any] = {}
+        if tools or any(m.role == "tool" or m.tool_calls for m in req.messages):
+            if "tools" in (self.tokenizer.chat_template or ""):
+                kwargs["tools"] = tools
+            else:
+                messages = render_messages(messages, tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      **kwargs)
         except InvalidParameterError as exc:
             raise to_openai_error(exc) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -78,10 +100,10 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival = arrival_time(raw_request)
         check_model(req.model, self.model_name)
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        constraint, field = constraint_of(req)
+        plan = tool_plan(req, constraint is not None)
+        if plan.constraint is not None:
+            constraint, field = plan.constraint, "tools"
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -92,8 +114,13 @@ class OpenAIServingChat:
         names = dict(_PARAM_NAMES)
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
-        prompt_ids = self.render_prompt(req)
+        if field is not None:
+            names["structured_outputs"] = field
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names,
+                                 constraint)
+        num_prompt_lp = requested_prompt_logprobs(req.prompt_logprobs, req.stream)
+        params = with_prompt_logprobs(params, None if req.stream else num_prompt_lp)  # a stream carries none
+        prompt_ids = self.render_prompt(req, plan.tools)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
         (stream,) = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
@@ -101,7 +128,7 @@ class OpenAIServingChat:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(stream, request_id, created, params.n, top_n, include_usage)
+            body = self._stream(stream, request_id, created, params.n, top_n, include_usage, plan.parse)
             return SSEResponse(body, on_close=stream.abort)
 
         async def collect() -> RequestOutput:
@@ -116,7 +143,7 @@ class OpenAIServingChat:
             return Response(status_code=499)
         except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
             raise to_openai_error(exc) from None
-        return JSONResponse(self._response(final, request_id, created, top_n).model_dump(mode="json"))
+        return JSONResponse(self._response(final, request_id, created, top_n, plan.parse).model_dump(mode="json"))
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None
                   ) -> ChatLogprobs | None:
@@ -140,33 +167,55 @@ class OpenAIServingChat:
         text, raw = self._token(tid, lp)
         return TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=raw)
 
-    def _response(self, final: RequestOutput, request_id: str, created: int, top_n: int | None
-                  ) -> ChatCompletionResponse:
+    def _response(self, final: RequestOutput, request_id: str, created: int, top_n: int | None,
+                  parse_tools: bool = False) -> ChatCompletionResponse:
         choices = []
         for o in final.outputs:
             logprobs = self._logprobs(o.token_ids, o.logprobs or [], top_n)
-            choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=logprobs,
-                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            message, reason = ChatResponseMessage(content=o.text), o.finish_reason
+            if parse_tools:
+                parser = _tool_parser()
+                content, deltas = parser.feed(o.text)
+                more, rest = parser.finish()
+                calls: dict[int, ResponseToolCall] = {}
+                for d in deltas + rest:
+                    if d.id is not None:
+                        calls[d.index] = ResponseToolCall(id=d.id, function=ResponseFunctionCall(name=d.name,
+                                                                                                 arguments=""))
+                    calls[d.index].function.arguments += d.arguments
+                content += more
+                message = ChatResponseMessage(content=content or (None if calls else ""),
+                                              tool_calls=list(calls.values()))
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=logprobs,
+                                      finish_reason=reason, stop_reason=o.stop_reason))
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices,
             usage=usage_of(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
-            timings=timings_of([final]))
+            timings=timings_of([final]), prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
 
     async def _stream(self, stream, request_id: str, created: int, n: int, top_n: int | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, parse_tools: bool = False) -> AsyncIterator[str]:
         exclude = None if include_usage else {"usage"}
 
         def chunk(choices: list[ChatStreamChoice], **extra) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, **extra)
             data = c.model_dump(mode="json", exclude=exclude)
             for ch in data["choices"]:
-                ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+                ch["delta"] = _drop_none(ch["delta"])
             if data.get("timings") is None:
                 data.pop("timings", None)
             return sse(data)
 
         progress = [ChoiceProgress() for _ in range(n)]
+        parsers = [_tool_parser() if parse_tools else None for _ in range(n)]
+
+        def calls_chunk(i: int, deltas: list[ToolCallDelta]) -> str:
+            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[
+                DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                              function=DeltaFunctionCall(name=d.name, arguments=d.arguments)) for d in deltas]))])
+
         final: RequestOutput | None = None
         try:
             for i in range(n):
@@ -178,15 +227,24 @@ class OpenAIServingChat:
                     if p.finished:
                         continue
                     text, tokens, entries = p.advance(o)
+                    parser, deltas, reason = parsers[o.index], [], o.finish_reason
+                    if parser is not None:
+                        text, deltas = parser.feed(text)
+                        if reason is not None:
+                            more, rest = parser.finish()
+                            text, deltas = text + more, deltas + rest
+                            reason = "tool_calls" if parser.calls and reason == "stop" else reason
                     if text or (top_n is not None and tokens):
                         logprobs = self._logprobs(tokens, entries, top_n)
                         yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(content=text),
                                                       logprobs=logprobs)])
-                    if o.finish_reason is not None:
+                    if deltas:
+                        yield calls_chunk(o.index, deltas)
+                    if reason is not None:
                         p.finished = True
                         last = out.finished and all(q.finished for q in progress)
                         yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(),
-                                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason)],
+                                                      finish_reason=reason, stop_reason=o.stop_reason)],
                                     timings=timings_of([out]) if last else None)
             if include_usage and final is not None:
                 completion_tokens = sum(len(o.token_ids) for o in final.outputs)
@@ -197,6 +255,19 @@ class OpenAIServingChat:
         finally:
             stream.abort()
         yield SSE_DONE
+
+
+def _tool_parser() -> ToolCallParser:
+    return ToolCallParser(lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _drop_none(x: Any) -> Any:
+    """``x`` without its None values, at every depth (a delta carries only what it sets)."""
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
+    return x
 
 
 __all__ = ["OpenAIServingChat", "OpenAIError"]

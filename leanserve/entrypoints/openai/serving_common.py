@@ -37,7 +37,7 @@ from leanserve.entrypoints.openai.protocol import (
 from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError, KVCapacityError
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
-from leanserve.sampling_params import SamplingParams
+from leanserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -156,9 +156,10 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    param_names: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams of an API request. Raises OpenAIError 400 naming the API field (``param_names`` renames
-    SamplingParams fields to API fields)."""
+                    param_names: dict[str, str] | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams of an API request, with ``structured`` as its structured-output constraint. Raises OpenAIError
+    400 naming the API field (``param_names`` renames SamplingParams fields to API fields)."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.n > 128:
@@ -176,6 +177,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "speculative": req.speculative,
+        "structured_outputs": structured,
     }
     for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)

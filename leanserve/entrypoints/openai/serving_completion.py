@@ -1,9 +1,11 @@
 """``POST /v1/completions``: prompts as text, texts, token ids or lists of token ids; echo; legacy logprobs.
 
 Choice ``index`` is ``prompt_index * n + choice_index``. Policies: ``suffix`` is rejected (400); ``echo`` with
-``logprobs`` is rejected (leanserve computes no prompt logprobs); ``echo`` with ``max_tokens: 0`` returns the
-prompt without generating. Streaming follows the chat rules (see serving_chat), with ``text`` instead of
-``delta``: the echoed prompt comes in each choice's first chunk.
+``logprobs`` returns the prompt tokens' logprobs (the first ``null``) then the completion's, in the legacy format,
+as vLLM (see prompt_logprobs.py, also for vLLM's ``prompt_logprobs`` field); ``echo`` with ``max_tokens: 0``
+returns the prompt without generating (with ``logprobs``, after running it through the model). Streaming follows
+the chat rules (see serving_chat), with ``text`` instead of ``delta``: the echoed prompt (and its logprobs) comes in
+each choice's first chunk.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import time
 from collections.abc import AsyncIterator
 
 from leanserve.engine.async_engine import AsyncEngine
+from leanserve.entrypoints.openai.prompt_logprobs import (
+    prompt_logprobs_json,
+    requested_prompt_logprobs,
+    with_prompt_logprobs,
+)
 from leanserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     CompletionStreamResponse,
 )
 from leanserve.entrypoints.openai.serving_common import (
@@ -41,6 +49,7 @@ from leanserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
+from leanserve.entrypoints.openai.structured_fields import constraint_of
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 
@@ -70,13 +79,19 @@ class OpenAIServingCompletion:
         check_model(req.model, self.model_name)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if req.logprobs is not None and req.echo:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        num_prompt_lp = requested_prompt_logprobs(req.prompt_logprobs, req.stream,
+                                                  req.logprobs if req.echo else None)
         prompts = self._prompts(req)
-        if req.echo and req.max_tokens == 0:
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only and num_prompt_lp is None:
             return self._echo_only(req, prompts)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        admitted = admit_all(self.engine, prompts, params)
+        constraint, field = constraint_of(req)
+        names = {"structured_outputs": field} if field else None
+        # echo of the prompt alone with its logprobs: one token is generated and dropped (as vLLM)
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, names, constraint)
+        params = with_prompt_logprobs(params, num_prompt_lp,
+                                      "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
+        admitted = admit_all(self.engine, prompts, params, names)
         request_id = new_id("cmpl")
         streams = await add_all(self.engine, request_id, admitted, arrival, req.priority, owner_of(raw_request))
         created = int(time.time())
@@ -84,7 +99,7 @@ class OpenAIServingCompletion:
         merged = MultiStream(streams)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(merged, request_id, created, params.n, req.logprobs, echo, include_usage)
+            body = self._stream(merged, request_id, created, params.n, req.logprobs, echo, include_usage, echo_only)
             return SSEResponse(body, on_close=lambda: [s.abort() for s in streams])
 
         async def collect() -> list[RequestOutput]:
@@ -100,7 +115,7 @@ class OpenAIServingCompletion:
             return Response(status_code=499)
         except LeanserveError as exc:  # the request timed out, its engine step failed, or the engine died
             raise to_openai_error(exc) from None
-        return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo)
+        return JSONResponse(self._response(finals, request_id, created, params.n, req.logprobs, echo, echo_only)
                             .model_dump(mode="json"))
 
     def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
@@ -115,7 +130,7 @@ class OpenAIServingCompletion:
         for i, ids in enumerate(prompts):
             text = self.tokenizer.decode(ids)
             for j in range(req.n):
-                choices.append(CompletionChoice(index=i * req.n + j, text=text, finish_reason="length"))
+                choices.append(CompletionResponseChoice(index=i * req.n + j, text=text, finish_reason="length"))
         usage = usage_of(sum(len(ids) for ids in prompts), 0, 0)
         request_id, created = new_id("cmpl"), int(time.time())
         if req.stream:
@@ -134,13 +149,22 @@ class OpenAIServingCompletion:
         resp = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump(mode="json", exclude_none=False, exclude={"timings"}))
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None,
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int | None,
                   offset: int) -> CompletionLogprobs | None:
-        """Legacy logprobs of some tokens; ``offset`` is the character offset of the first one in the text."""
+        """Legacy logprobs of some tokens; ``offset`` is the character offset of the first one in the text. An
+        entry None (the first prompt token's) gives ``null`` logprob and top logprobs."""
         if top_n is None:
             return None
         lp = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries, strict=False):
+            if entry is None:
+                text = self._text(tid, None)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                lp.text_offset.append(offset)
+                offset += len(text)
+                continue
             chosen = entry.get(tid)
             text = self._text(tid, chosen)
             lp.tokens.append(text)
@@ -158,22 +182,36 @@ class OpenAIServingCompletion:
             return lp.decoded_token
         return self.tokenizer.token_bytes(tid).decode("utf-8", "replace")
 
+    def _with_prompt(self, final: RequestOutput, token_ids: list[int], entries: list[dict[int, Logprob]],
+                     echo: str, echo_only: bool) -> tuple[list[int], list[dict[int, Logprob] | None], int]:
+        """The tokens and logprob entries a choice's legacy logprobs cover, and the text offset of the first: the
+        echoed prompt's (when its logprobs were computed) then the completion's (none with ``echo_only``)."""
+        if echo_only:
+            token_ids, entries = [], []
+        if echo and final.prompt_logprobs is not None:
+            return final.prompt_token_ids + token_ids, final.prompt_logprobs + entries, 0
+        return token_ids, entries, len(echo)
+
     def _response(self, finals: list[RequestOutput], request_id: str, created: int, n: int, top_n: int | None,
-                  echo: list[str]) -> CompletionResponse:
+                  echo: list[str], echo_only: bool = False) -> CompletionResponse:
         choices = []
         for i, final in enumerate(finals):
             for o in final.outputs:
-                logprobs = self._logprobs(o.token_ids, o.logprobs or [], top_n, len(echo[i]))
-                choices.append(CompletionChoice(index=i * n + o.index, text=echo[i] + o.text, logprobs=logprobs,
-                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                ids, entries, offset = self._with_prompt(final, o.token_ids, o.logprobs or [], echo[i], echo_only)
+                logprobs = self._logprobs(ids, entries, top_n, offset)
+                choices.append(CompletionResponseChoice(
+                    index=i * n + o.index, text=echo[i] + ("" if echo_only else o.text), logprobs=logprobs,
+                    finish_reason="length" if echo_only else o.finish_reason,
+                    stop_reason=None if echo_only else o.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)))
         usage = usage_of(sum(len(f.prompt_token_ids) for f in finals),
-                         sum(len(o.token_ids) for f in finals for o in f.outputs),
+                         0 if echo_only else sum(len(o.token_ids) for f in finals for o in f.outputs),
                          sum(f.num_cached_tokens for f in finals))
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=usage, timings=timings_of(finals))
 
     async def _stream(self, merged: MultiStream, request_id: str, created: int, n: int, top_n: int | None,
-                      echo: list[str], include_usage: bool) -> AsyncIterator[str]:
+                      echo: list[str], include_usage: bool, echo_only: bool = False) -> AsyncIterator[str]:
         exclude = None if include_usage else {"usage"}
 
         def chunk(choices: list[CompletionChoice], **extra) -> str:
@@ -199,8 +237,11 @@ class OpenAIServingCompletion:
                     if p.finished:
                         continue
                     text, tokens, entries = p.advance(o)
+                    if echo_only:
+                        text, tokens, entries = "", [], []
                     if not echoed[k] and echo[i]:
                         text = echo[i] + text
+                        tokens, entries, offsets[k] = self._with_prompt(out, tokens, entries, echo[i], False)
                     echoed[k] = True
                     if text or (top_n is not None and tokens):
                         logprobs = self._logprobs(tokens, entries, top_n, offsets[k])
@@ -210,13 +251,14 @@ class OpenAIServingCompletion:
                     if o.finish_reason is not None:
                         p.finished = True
                         last = all(f is not None for f in finals) and all(q.finished for q in progress)
-                        yield chunk([CompletionChoice(index=k, text="", finish_reason=o.finish_reason,
-                                                      stop_reason=o.stop_reason)],
+                        reason = "length" if echo_only else o.finish_reason
+                        yield chunk([CompletionChoice(index=k, text="", finish_reason=reason,
+                                                      stop_reason=None if echo_only else o.stop_reason)],
                                     timings=timings_of(finals) if last else None)
             if include_usage:
                 done = [f for f in finals if f is not None]
                 usage = usage_of(sum(len(f.prompt_token_ids) for f in done),
-                                 sum(len(o.token_ids) for f in done for o in f.outputs),
+                                 0 if echo_only else sum(len(o.token_ids) for f in done for o in f.outputs),
                                  sum(f.num_cached_tokens for f in done))
                 yield chunk([], usage=usage)
         except Exception as exc:
