@@ -64,7 +64,7 @@ class ModelConfig:
     All sizes are element counts; ``head_dim`` is per attention head.
     """
 
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2" or "gemma3"
     num_layers: int  # transformer blocks
     hidden_size: int  # model width (embedding size)
     intermediate_size: int  # MLP width
@@ -81,6 +81,16 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False  # output projection shares the token embedding
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    # Gemma 3 (architecture "gemma3"; None / defaults for the Llama family): each layer's attention kind, HF's
+    # names "sliding_attention" (local) or "full_attention" (global); None: every layer global.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # keys a local layer's query sees, itself included (HF's sliding_window)
+    rope_local_theta: float | None = None  # RoPE base of the local layers (HF's rope_local_base_freq)
+    query_pre_attn_scalar: float | None = None  # attention scale is query_pre_attn_scalar**-0.5 (None: head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) is a sliding-window (local) attention layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
     def kv_bytes_per_token(self) -> int:

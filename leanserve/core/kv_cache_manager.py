@@ -12,6 +12,7 @@ from array import array
 
 from leanserve.core.block_pool import BlockPool, KVCacheBlock
 from leanserve.core.request import Request
+from leanserve.core.sliding_window import SlidingWindowBlocks
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -33,10 +34,14 @@ class KVCacheManager:
         min_uncached_tokens: a prefix hit leaves at least this many of a request's tokens to compute (at least
             the last one, whose logits are needed; the engine asks for a few more so that the recomputed tail runs
             through the same kernels as a cold prefill and gives bitwise the same result).
+        sliding_window: the local layers' pool of a model with sliding-window layers, or None (see
+            :mod:`leanserve.core.sliding_window`): allocation also pins local blocks, prefix hits are cut to where
+            their window's local blocks remain.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 min_uncached_tokens: int = 1) -> None:
+                 min_uncached_tokens: int = 1, sliding_window: SlidingWindowBlocks | None = None) -> None:
+        self.sliding_window = sliding_window
         self.min_uncached_tokens = max(1, min_uncached_tokens)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -85,6 +90,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.sliding_window is not None and hits:
+            del hits[self.sliding_window.usable_hit([b.block_id for b in hits]):]
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -104,7 +111,9 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # hits sitting in the free queue
-        if need > self.pool.num_free_blocks - reclaimed:
+        swa = self.sliding_window
+        if need > self.pool.num_free_blocks - reclaimed or (swa is not None and not swa.can_pin(
+                request.request_id, len(blocks) + len(new_computed_blocks) + max(need, 0), num_computed)):
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False
@@ -112,6 +121,8 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
+        if swa is not None:
+            swa.pin(request.request_id, [b.block_id for b in blocks], num_computed)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         return True
@@ -134,6 +145,8 @@ class KVCacheManager:
         """Release every block the request holds, tail first (so its unshared tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.sliding_window is not None:
+            self.sliding_window.release(request.request_id)
         self.pool.free(reversed(blocks))
 
     def num_tokens_capacity(self) -> int:

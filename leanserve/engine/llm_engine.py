@@ -14,12 +14,14 @@ from leanserve.config import EngineConfig
 from leanserve.core.kv_cache_manager import KVCacheManager
 from leanserve.core.request import Request, RequestStatus
 from leanserve.core.scheduler import Scheduler, SchedulerOutput
+from leanserve.core.sliding_window import SlidingWindowBlocks, local_pool_size, sliding_window_block_counts
 from leanserve.engine.admission import AdmittedRequest, RequestAdmission
 from leanserve.engine.output_processor import OutputProcessor, ParentState
 from leanserve.errors import InvalidParameterError
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
+from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.sampling_params import SamplingParams
@@ -103,15 +105,24 @@ class LLMEngine:
             self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
-        self.model = LlamaModel(cfg, loaded.weights, dtype=dtype, device=self.device,
+        self.model = model_class(cfg)(cfg, loaded.weights, dtype=dtype, device=self.device,
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
                                 native_kernels=config.use_native_kernels)
         # the default on a GPU is a fraction of the memory left free by the weights
-        num_blocks = self._num_kv_blocks(config.kv_cache_memory if config.kv_cache_memory is not None
-                                         else self._default_kv_memory())
+        kv_memory = config.kv_cache_memory if config.kv_cache_memory is not None else self._default_kv_memory()
+        num_blocks = self._num_kv_blocks(kv_memory)
+        # sliding-window layers (Gemma 3): their own pool, bounded by the window (leanserve.core.sliding_window)
+        sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
+        swa = None
+        if any(sliding) and cfg.sliding_window and draft_loaded is None:
+            need = local_pool_size(1 << 62, config.block_size, cfg.sliding_window, config.max_num_seqs,
+                                   config.max_num_batched_tokens or self.max_model_len)
+            num_blocks, num_local = sliding_window_block_counts(
+                num_blocks, kv_memory, config.block_size, self.kv_bytes_per_token, sum(sliding), len(sliding), need)
+            swa = SlidingWindowBlocks(num_blocks, num_local, config.block_size, cfg.sliding_window)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 min_uncached_tokens=PREFILL_MIN_ROWS)
+                                 min_uncached_tokens=PREFILL_MIN_ROWS, sliding_window=swa)
         if num_blocks * config.block_size < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
                            num_blocks * config.block_size, self.max_model_len)
@@ -123,10 +134,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    policy=config.scheduling_policy, long_prefill_token_threshold=threshold or None,
                                    min_chunk_tokens=PREFILL_MIN_ROWS)
-        kv_caches = allocate_kv_cache(self.model, num_blocks, config.block_size,
-                                      kv_cache_dtype=config.kv_cache_dtype)
+        per_layer = [swa.num_local_blocks if s else num_blocks for s in sliding] if swa else num_blocks
+        kv_caches = allocate_kv_cache(self.model, per_layer, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
                                   seed=config.seed, use_native_kernels=config.use_native_kernels)
+        if swa is not None:  # read in place each step
+            self.runner.local_block_map = torch.frombuffer(swa.local_of, dtype=torch.int64)
         self.processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         self.speculative_config = spec

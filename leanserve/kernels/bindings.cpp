@@ -11,6 +11,8 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor mn, int64_t bits,
                                torch::Tensor out_buf);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+torch::Tensor kquant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
+torch::Tensor kquant_dequantize(torch::Tensor w, int64_t qtype);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
 
@@ -19,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_gemm", &block_quant_gemm, "x @ w.T for GGUF block-quantized w (Q4_1/Q4_0/Q8_0 layout)");
   m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows)");
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
+  m.def("kquant_gemm", &kquant_gemm, "x @ w.T for a GGUF Q4_K / Q6_K matrix in its file bytes (float32)");
+  m.def("kquant_dequantize", &kquant_dequantize, "w [N, K] float32 from GGUF Q4_K / Q6_K bytes");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
 }

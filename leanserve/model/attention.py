@@ -72,6 +72,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # native paged decode kernel (leanserve.kernels), reading the cache in place; None: the torch path
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # sliding-window layers with their own smaller pool: [num_blocks] int64, the local block of each block id
+    # (-1: none; leanserve.core.sliding_window); None: they use the block ids as they are
+    local_block_map: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:

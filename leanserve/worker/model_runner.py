@@ -41,11 +41,12 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
-def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+def allocate_kv_cache(model: LlamaModel, num_blocks: int | list[int], block_size: int, dtype: torch.dtype | None = None,
                       kv_cache_dtype: str = "auto") -> list[tuple[KVCache, KVCache]]:
     """Zeroed K and V caches for every layer, each [num_blocks, block_size, kv_heads, head_dim]: float tensors of
     ``dtype`` (default the model's; float16 when ``kv_cache_dtype == "float16"``), or :class:`Int8KVCache` when
-    ``kv_cache_dtype == "int8"``.
+    ``kv_cache_dtype == "int8"``. ``num_blocks`` may be a list, one count per layer (sliding-window layers with
+    their own smaller pool).
 
     Zeroing matters: padding slots are read (then masked), and masked garbage NaNs would poison the output.
 
@@ -54,14 +55,15 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype
     """
     check_kv_cache_dtype(kv_cache_dtype)
     cfg = model.config
+    counts = [num_blocks] * cfg.num_layers if isinstance(num_blocks, int) else list(num_blocks)
     if kv_cache_dtype == "int8":
-        args = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [(Int8KVCache.zeros(*args, device=model.device), Int8KVCache.zeros(*args, device=model.device))
-                for _ in range(cfg.num_layers)]
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(Int8KVCache.zeros(n, block_size, cfg.num_kv_heads, cfg.head_dim, device=model.device),
+                 Int8KVCache.zeros(n, block_size, cfg.num_kv_heads, cfg.head_dim, device=model.device))
+                for n in counts]
     dtype = torch.float16 if kv_cache_dtype == "float16" else dtype or model.dtype
-    return [(torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
-            for _ in range(cfg.num_layers)]
+    return [(torch.zeros((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=model.device),
+             torch.zeros((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=model.device))
+            for n in counts]
 
 
 def decode_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
@@ -114,6 +116,7 @@ class ModelRunner:
         # be reused by a new request before this runner sees finished_req_ids)
         self.grammars: dict[str, GrammarState] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
+        self.local_block_map: torch.Tensor | None = None  # AttentionMetadata.local_block_map, set by the engine
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
                 and model.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16):
@@ -175,6 +178,7 @@ class ModelRunner:
             if s.samples:
                 logits_idx.extend(range(len(ids) - 1 - len(spec), len(ids)))
         meta.decode_kernel = self.decode_kernel
+        meta.local_block_map = self.local_block_map
         if self.decode_kernel:
             groups = [list(range(len(decode_lens)))]
         elif self.model.batch_invariant:

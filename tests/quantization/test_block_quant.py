@@ -147,3 +147,10 @@ def test_file_layout_kernel_choice_per_row(tmp_path: Path, qtype: QT) -> None:
     xb = x[:4].to(torch.bfloat16)  # bf16 activations: computed in fp32, returned in bf16
     yb = w.matmul(xb, kernel_rows=4)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, w.kernel(xb.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_zero_rows_give_an_empty_product(tmp_path: Path, lanes: bool) -> None:
+    w, _ = _weight(tmp_path, QT.Q4_1, lanes=lanes)
+    y = w.kernel(torch.empty(0, IN))
+    assert y.shape == (0, OUT) and y.dtype == torch.float32
