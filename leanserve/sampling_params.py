@@ -25,6 +25,8 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
     # bool is a subclass of int: reject it explicitly; so are floats such as 1.0 or 1.5.
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParameterError(name, f"{name} must be an integer, got {value!r}")
+    if abs(value) >= 2**64:  # no count or seed is that large; sums of it would not even print
+        raise InvalidParameterError(name, f"{name} must be below 2**64 in magnitude")
 
 
 def _check_float(name: str, value: Any) -> float:

@@ -121,3 +121,9 @@ def test_stop_list_is_copied():
     p = SamplingParams(stop=stops)
     stops.append("b")
     assert p.stop == ["a"]
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "n", "seed", "min_tokens", "truncate_prompt_tokens"])
+def test_integers_beyond_64_bits_are_refused(name):
+    with pytest.raises(InvalidParameterError, match=f"{name} must be below 2\\*\\*64 in magnitude"):
+        SamplingParams(**{name: int("9" * 4300)})

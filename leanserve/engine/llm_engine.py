@@ -224,11 +224,14 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=(params.seed + i) % 2**64)  # stays in the accepted range
+            if i and params.prompt_logprobs is not None:  # the first choice computes them for all (same prompt)
+                child_params = replace(child_params, prompt_logprobs=None)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(cid, admitted.prompt_token_ids, child_params, admitted.max_tokens,
                             self.tokenizer.stop_token_ids, arrival_time=arrival, priority=priority)
             if admitted.grammar is not None:
-                self.runner.grammars[cid] = GrammarState(admitted.grammar)
+                self.runner.grammars[cid] = GrammarState(admitted.grammar,
+                                                          min(self.tokenizer.stop_token_ids, default=None))
             self.scheduler.add_request(child)
             children.append(child)
         parent = ParentState(request_id, admitted.prompt, admitted.prompt_token_ids)

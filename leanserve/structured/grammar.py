@@ -92,7 +92,8 @@ class GrammarCompiler:
         c = self._engine()
         try:
             if kind == "json":
-                return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                schema = supported_schema(json.loads(text))
+                return c.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
@@ -111,6 +112,48 @@ class GrammarCompiler:
             raise InvalidGrammarError(f"invalid or unsupported {what}: {message}", param) from None
 
 
+# JSON Schema keywords the grammar engine would ignore (its output could then break the schema): refused.
+UNSUPPORTED_KEYWORDS = frozenset({
+    "not", "allOf", "if", "then", "else", "contains", "minContains", "maxContains", "patternProperties",
+    "propertyNames", "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems", "uniqueItems", "multipleOf"})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems")
+
+
+def supported_schema(schema: Any, path: str = "#") -> Any:
+    """``schema`` as the grammar engine gets it: ``format`` dropped (an annotation in JSON Schema, not enforced by
+    validators by default; the engine would drop the string's length bounds with it).
+
+    Raises:
+        ValueError: a keyword of ``UNSUPPORTED_KEYWORDS`` anywhere in the schema (the message names it and its
+            place), or an object that requires a property it forbids (``additionalProperties: false``)."""
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        return schema
+    bad = sorted(UNSUPPORTED_KEYWORDS & schema.keys())
+    if bad:
+        raise ValueError(f"the keyword {bad[0]!r} is not supported (at {path})")
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if schema.get("additionalProperties") is False:
+        missing = [r for r in schema.get("required", ()) if r not in props]
+        if missing:
+            raise ValueError(f"{path} requires {missing[0]!r} but allows no such property")
+    out = {k: v for k, v in schema.items() if not (k == "format" and isinstance(v, str))}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {n: supported_schema(v, f"{path}/{key}/{n}") for n, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [supported_schema(v, f"{path}/{key}/{i}") for i, v in enumerate(out[key])]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = supported_schema(out[key], f"{path}/{key}")
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [supported_schema(v, f"{path}/items/{i}") for i, v in enumerate(out[key])]
+    return out
+
+
 def _compact_json(node: Any) -> Any:
     """A structural tag whose JSON-schema contents are grammars of compact JSON (``", "`` and ``": "`` as the only
     whitespace, as every JSON output here), so arguments come out as ``{"city": "Paris"}`` and ``{}``."""
@@ -119,7 +162,7 @@ def _compact_json(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     if node.get("type") == "json_schema" and "json_schema" in node:
-        ebnf = _xgr().Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False,
+        ebnf = _xgr().Grammar.from_json_schema(json.dumps(supported_schema(node["json_schema"])), any_whitespace=False,
                                                strict_mode=True)
         return {"type": "grammar", "grammar": str(ebnf)}
     return {k: _compact_json(v) for k, v in node.items()}
@@ -132,8 +175,9 @@ class GrammarState:
         compiled: from :meth:`GrammarCompiler.compile`.
     """
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, dead_end_token: int | None = None) -> None:
         self.matcher = _xgr().GrammarMatcher(compiled)
+        self.dead_end_token = dead_end_token
 
     @property
     def is_terminated(self) -> bool:
@@ -152,16 +196,24 @@ class GrammarState:
             by the verification, since the row before it excludes it; the rows after it are never kept.
         """
         m = self.matcher
-        m.fill_next_token_bitmask(bitmask, first_row)
+        self._fill(bitmask, first_row)
         accepted = 0
         for t in drafts:
             if m.is_terminated() or not m.accept_token(int(t)):
                 break
             accepted += 1
-            m.fill_next_token_bitmask(bitmask, first_row + accepted)
+            if m.is_terminated():  # the draft was a stop token: the request ends there, no later row is kept
+                break
+            self._fill(bitmask, first_row + accepted)
         if accepted:
             m.rollback(accepted)
         return 1 + accepted
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.dead_end_token is not None and not bool(bitmask[row].any()):
+            t = self.dead_end_token
+            bitmask[row, t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Advance by the tokens a step kept. False if the grammar refused one (the mask was not applied)."""
@@ -169,7 +221,7 @@ class GrammarState:
             if self.matcher.is_terminated():
                 return True  # a stop token ended it; the scheduler ends the request there
             if not self.matcher.accept_token(int(t)):
-                return False
+                return int(t) == self.dead_end_token  # the dead end's stop token ends the request
         return True
 
 

@@ -132,6 +132,7 @@ class ToolCallParser:
     _buf: str = ""  # text not yet released
     _in_call: bool = False
     _boundary: bool = True  # at the start or just after a call
+    incomplete: bool = False  # the text ended inside a call already begun (cut by max_tokens or a stop)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
@@ -165,12 +166,16 @@ class ToolCallParser:
                 self._boundary = True
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The end of the text: an unclosed block that parses whole is a call; what else is left is content."""
+        """The end of the text: an unclosed block that parses whole is a call; one cut after its name was sent
+        stays a call with the arguments generated so far (``incomplete``; as OpenAI reports a call cut by
+        ``max_tokens``: the finish reason then says why); what else is left is content."""
         content, deltas = "", []
         if self._in_call:
             call = self.calls[-1]
             done = self._close(call, self._buf)
-            if done is None:
+            if done is None and call.name is not None:
+                self.incomplete = True
+            elif done is None:
                 self.calls.pop()
                 content = self._release(f"{TOOL_CALL_START}{self._buf}".rstrip())
             else:

@@ -154,3 +154,44 @@ def test_a_reused_request_id_keeps_its_new_grammar(llm):
     assert re.fullmatch(r"[0-9]{3}", texts[0]) and re.fullmatch(r"[a-c]{4}", texts[1]), texts
     assert not engine.runner.grammars
     assert_no_leaks(engine)
+
+
+def test_a_draft_that_ends_the_grammar_with_a_stop_token(llm, llm_spec):
+    """The n-gram proposer drafts '.' then <|im_end|> (copied from the chat prompt): accepting the stop token ends
+    the matcher, and no mask may be asked of it after (that was an engine-step error)."""
+    req = chat(llm, "Invent a person. Reply in JSON.")
+    params = greedy(40, grammar='root ::= "The answer is " [0-9]+ "."')
+    want = llm.generate([req], params, use_tqdm=False)[0].outputs[0]
+    got = llm_spec.generate([req], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"The answer is [0-9]+\.", got.text) and got.token_ids == want.token_ids
+    assert_no_leaks(llm_spec.engine)
+
+
+@pytest.mark.parametrize("so", [{"regex": r"[^\s\S]"}, {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}])
+def test_a_grammar_that_matches_nothing_ends_the_request_with_no_text(llm, so):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=10, structured_outputs=StructuredOutputsParams(**so))
+    out = llm.generate([chat(llm, "Say something.")], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.finish_reason == "stop" and len(out.token_ids) == 1
+    assert out.token_ids[0] in llm.get_tokenizer().stop_token_ids
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"not": {"type": "object"}}, "'not' is not supported (at #)"),
+    ({"type": "array", "contains": {"const": 5}, "maxItems": 3}, "'contains' is not supported"),
+    ({"anyOf": [{"allOf": [{"type": "integer"}, {"type": "string"}]}]}, "'allOf' is not supported (at #/anyOf/0)"),
+    ({"type": "object", "properties": {"x": {"if": {}, "then": {}}}}, "'if' is not supported (at #/properties/x)"),
+    ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False},
+     "requires 'a' but allows no such property"),
+])
+def test_schema_keywords_the_engine_would_ignore_are_refused(llm, schema, fragment):
+    with pytest.raises(InvalidGrammarError, match=re.escape(fragment)):
+        llm.generate([chat(llm, "JSON please.")], greedy(8, json=schema), use_tqdm=False)
+    assert_no_leaks(llm.engine)
+
+
+def test_format_is_an_annotation_and_length_bounds_hold(llm):
+    schema = {"type": "string", "format": "email", "maxLength": 10}
+    out = llm.generate([chat(llm, "An email address as a JSON string.")], greedy(30, json=schema),
+                       use_tqdm=False)[0].outputs[0]
+    value = json.loads(out.text)
+    assert out.finish_reason == "stop" and isinstance(value, str) and len(value) <= 10

@@ -240,3 +240,18 @@ def test_bad_tool_fields_are_400s(client, extra, param, fragment):
     err = r.json()["error"]
     assert err["param"] == param and fragment in err["message"], err
     assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_call_cut_short_stays_a_call_and_is_not_repeated_as_content():
+    """Text ending inside a call (max_tokens or a stop string): the call keeps the arguments generated so far
+    (OpenAI's behaviour when max_tokens cuts a call), nothing of it goes to content, and it is marked incomplete
+    (the finish reason is then length or stop, never tool_calls)."""
+    parser = ToolCallParser(lambda: "call_1")
+    content, deltas = parser.feed('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "un')
+    more, rest = parser.finish()
+    assert content + more == "Sure." and parser.incomplete and len(parser.calls) == 1
+    assert deltas[0].name == "get_weather" and "".join(d.arguments for d in deltas + rest).startswith('{"city"')
+    whole = ToolCallParser(lambda: "call_2")
+    whole.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    whole.finish()
+    assert not whole.incomplete and len(whole.calls) == 1

@@ -193,7 +193,7 @@ class OpenAIServingChat:
                 content += more
                 message = ChatResponseMessage(content=content or (None if calls else ""),
                                               tool_calls=list(calls.values()))
-                reason = "tool_calls" if calls and reason == "stop" else reason
+                reason = "tool_calls" if calls and not parser.incomplete and reason == "stop" else reason
             choices.append(ChatChoice(index=o.index, message=message, logprobs=logprobs,
                                       finish_reason=reason, stop_reason=o.stop_reason))
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
@@ -241,7 +241,8 @@ class OpenAIServingChat:
                         if reason is not None:
                             more, rest = parser.finish()
                             text, deltas = text + more, deltas + rest
-                            reason = "tool_calls" if parser.calls and reason == "stop" else reason
+                            if parser.calls and not parser.incomplete and reason == "stop":
+                                reason = "tool_calls"
                     if text or (top_n is not None and tokens):
                         logprobs = self._logprobs(tokens, entries, top_n)
                         yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(content=text),
