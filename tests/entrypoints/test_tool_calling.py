@@ -220,7 +220,11 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [TIME, TIME]}, "tools", "unique"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, "tools",
-     "Unsupported type"),
+     "of type object, got type 'foo'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "tools[0].function.parameters must be a JSON schema of type object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {}}}}}}]}, "tools", "'not' is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools.0.function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "tools.0.type"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),

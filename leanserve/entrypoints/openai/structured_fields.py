@@ -84,7 +84,8 @@ def tool_plan(req: ChatCompletionRequest, has_constraint: bool) -> ToolPlan:
 
     Raises:
         OpenAIError: 400: ``tool_choice`` without ``tools``, a named function that is not among them, duplicate
-            tool names, or ``required`` / a named function together with another constraint.
+            tool names, parameters that are not an object schema, or ``required`` / a named function together
+            with another constraint.
     """
     choice = req.tool_choice
     if not req.tools:
@@ -95,6 +96,11 @@ def tool_plan(req: ChatCompletionRequest, has_constraint: bool) -> ToolPlan:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request(f"tool names must be unique, got {names}", "tools")
+    for i, t in enumerate(tools):
+        ptype = t["function"].get("parameters", {}).get("type", "object")
+        if ptype != "object":  # arguments are a JSON object (OpenAI's function-calling contract)
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of type object, got type "
+                              f"{ptype!r}", "tools")
     if choice == "none":
         return ToolPlan()
     if choice is None or choice == "auto":
