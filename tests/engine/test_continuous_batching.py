@@ -202,8 +202,7 @@ def test_short_requests_are_not_starved_by_long_ones(loaded):
           f"steps {sorted(first_step.values())} of {steps}")
     # The scheduling itself, free of timing noise: under FCFS the 7,200 long-prompt tokens would fill the first
     # ceil(7200 / 2048) = 4 steps' budgets; with long prompts capped per step every short request gets its first
-    # token in the first step. The wall-clock ratio (~7x here: that step also carries a 256-token chunk of a long
-    # prompt) is checked loosely, as timing on a shared 2-core machine is noisy.
+    # token in the first step. The wall-clock ratio (~7x on an idle machine: that step also carries a 256-token
+    # chunk of a long prompt) is printed, not asserted: timing belongs in benchmarks.
     assert max(first_step.values()) == 1
-    assert worst < 15.0
     assert_no_leaks(engine)
