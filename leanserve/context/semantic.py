@@ -25,6 +25,12 @@ from leanserve.errors import ModelLoadError
 import numpy as np
 
 NEGATIONS = frozenset("not no never none nobody nothing nowhere neither nor without cannot".split())
+# Words whose opposite flips the answer while barely moving the embedding ("after / within 30 days", "turned on /
+# off", "at most / at least"): they must match too.
+POLARITY_WORDS = frozenset(
+    "after before within since until during on off in out up down above below over under more less most least "
+    "maximum minimum max min higher lower increase decrease enable disable start stop open close closed opened "
+    "first last early late earlier later add remove include exclude buy sell".split())
 NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty".split())}
@@ -34,12 +40,13 @@ _TOKEN = re.compile(r"[A-Za-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
 DEFAULT_THRESHOLD = 0.9
 
 
-def guard_signature(text: str) -> tuple[tuple[str, ...], int, tuple[str, ...]]:
-    """(numbers, negation count, named entities) of ``text``: two questions may share an answer only if these
-    are equal. Numbers keep their order; entities are the capitalized words after the first word (and any word
-    with a capital past its first letter or a digit), lower-cased, possessives stripped, as a sorted tuple."""
+def guard_signature(text: str) -> tuple[tuple[str, ...], int, tuple[str, ...], tuple[str, ...]]:
+    """(numbers, negation count, named entities, polarity words) of ``text``: two questions may share an answer
+    only if these are equal. Numbers keep their order; entities are the capitalized words after the first word
+    (and any word with a capital past its first letter or a digit), lower-cased, possessives stripped, as a sorted
+    tuple; polarity words (``POLARITY_WORDS``) keep their order."""
     tokens = _TOKEN.findall(text)
-    numbers, negations, entities = [], 0, set()
+    numbers, negations, entities, polarity = [], 0, set(), []
     for i, tok in enumerate(tokens):
         low = tok.lower()
         if low.endswith("n't"):
@@ -54,10 +61,13 @@ def guard_signature(text: str) -> tuple[tuple[str, ...], int, tuple[str, ...]]:
         if low in NUMBER_WORDS:
             numbers.append(NUMBER_WORDS[low])
             continue
+        if low in POLARITY_WORDS:
+            polarity.append(low)
+            continue
         word = tok[:-2] if low.endswith("'s") else tok
         if (i > 0 and word[0].isupper() and word != "I") or any(c.isupper() for c in word[1:]):
             entities.add(word.lower())
-    return tuple(numbers), negations, tuple(sorted(entities))
+    return tuple(numbers), negations, tuple(sorted(entities)), tuple(polarity)
 
 
 class WordLlamaEmbedder:

@@ -265,3 +265,22 @@ def test_identical_requests_at_once_run_once(server):
     assert len({str(r.json()["choices"]) for r in rs}) == 1
     m1 = server.metrics()
     assert m1["vllm:request_success_total"] - m0["vllm:request_success_total"] == 1
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "prompt logprobs and the cache"}],
+                              "prompt_logprobs": 0}),
+    ("/v1/completions", {"prompt": "prompt logprobs and the cache", "echo": True, "logprobs": 1}),
+])
+def test_prompt_logprobs_bypass_the_cache(client, path, extra):
+    """The cache replays generated tokens only: a request for prompt logprobs runs each time, and keeps them."""
+    body = {"max_tokens": 2, "temperature": 0, **extra}
+    first, second = (client.post(path, json=body) for _ in range(2))
+    assert first.status_code == second.status_code == 200
+    assert "x-leanserve-cache" not in second.headers
+    assert second.json()["usage"]["leanserve"]["cache"] == "bypass"
+    if "prompt_logprobs" in extra:
+        assert second.json()["prompt_logprobs"] == first.json()["prompt_logprobs"] is not None
+    else:
+        lp = second.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["text_offset"][0] == 0

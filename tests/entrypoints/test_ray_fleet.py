@@ -300,3 +300,18 @@ def test_sigterm_drains_the_fleet(fleet):
     assert "retry-after" in refused.headers
     assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 200
     assert fleet.proc.wait(120) == 0
+
+
+def test_a_taken_port_is_refused_before_ray_starts(capsys):
+    """Ray's proxy would share a taken port (SO_REUSEPORT) and split its traffic with another server."""
+    import socket
+
+    from leanserve.config import EngineConfig, ServerConfig
+    from leanserve.entrypoints.ray_serve.app import run_fleet
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert run_fleet(EngineConfig(), ServerConfig(port=port, replicas=2)) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in capsys.readouterr().err

@@ -160,8 +160,8 @@ async def submit(raw_request: Request, endpoint: str, admitted: list[AdmittedReq
     if cache is None:
         return await add(admitted), None
     params = admitted[0].params
-    if not use_cache or not is_deterministic(params.temperature, params.seed):
-        return await add(admitted), "bypass"
+    if not use_cache or not is_deterministic(params.temperature, params.seed) or params.prompt_logprobs is not None:
+        return await add(admitted), "bypass"  # prompt logprobs are not replayed: such requests run
     keys = [cache.key(raw_request, endpoint, a) for a in admitted]
     sem = None
     if question is not None and len(admitted) == 1:

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
@@ -343,6 +344,16 @@ class LeanserveServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def app_options(sc: ServerConfig) -> dict[str, Any]:
+    """The keyword arguments of :func:`build_app` that ``sc`` sets (limits, stall timeout, context policies, the
+    answer cache): one place for the single server and each Ray Serve replica."""
+    return {"limits": RequestLimits(max_request_bytes=sc.max_request_bytes), "stall_timeout": sc.engine_stall_timeout,
+            "context": ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents),
+            "answer_cache_bytes": None if sc.answer_cache == "off" else sc.answer_cache_bytes,
+            "answer_cache_ttl": sc.answer_cache_ttl, "answer_cache_semantic": sc.answer_cache == "semantic",
+            "answer_cache_similarity": sc.answer_cache_similarity}
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the engine and serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, 2 when the address
     cannot be bound (checked before the model loads), or 1 when the engine thread died.
@@ -366,12 +377,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     llm_engine = LLMEngine(engine_config)
     engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout)
     name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
-    app = build_app(engine, name, tenants=tenants, limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
-                    stall_timeout=sc.engine_stall_timeout,
-                    context=ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents),
-                    answer_cache_bytes=None if sc.answer_cache == "off" else sc.answer_cache_bytes,
-                    answer_cache_ttl=sc.answer_cache_ttl, answer_cache_semantic=sc.answer_cache == "semantic",
-                    answer_cache_similarity=sc.answer_cache_similarity)
+    app = build_app(engine, name, tenants=tenants, **app_options(sc))
     # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
     # pick up, so one server would behave differently with and without the extra
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,

@@ -36,9 +36,8 @@ from typing import Any
 from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.entrypoints.openai.api_server import build_app, default_served_model_name
+from leanserve.entrypoints.openai.api_server import app_options, build_app, default_served_model_name
 from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S
-from leanserve.entrypoints.openai.limits import RequestLimits
 from leanserve.entrypoints.openai.tenants import TenantLimits, TenantRegistry
 from leanserve.entrypoints.ray_serve.asgi_bridge import call_asgi
 from leanserve.entrypoints.ray_serve.fleet import FleetMonitor, RouterMetrics, merge_metrics
@@ -71,9 +70,7 @@ class EngineReplica:
         self.engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout)
         self.served_name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
         self.stall_timeout = sc.engine_stall_timeout
-        self.app = build_app(self.engine, self.served_name, tenants=tenants,
-                             limits=RequestLimits(max_request_bytes=sc.max_request_bytes),
-                             stall_timeout=sc.engine_stall_timeout)
+        self.app = build_app(self.engine, self.served_name, tenants=tenants, **app_options(sc))
 
     async def proxy(self, request: dict[str, Any]):
         """The app's response to ``request`` (method, path, query, headers, body), message by message; the first
@@ -239,6 +236,25 @@ def _drain(timeout: float, interrupted: threading.Event) -> None:
         print(f"leanserve: shutdown timeout: {n} request(s) still in flight are cut", flush=True)
 
 
+def _can_listen(host: str, port: int) -> bool:
+    """Whether nothing listens on (host, port) now (a plain bind, without SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _app_running() -> bool:
+    """Whether the joined Ray cluster already runs an application named ``APP_NAME``."""
+    try:
+        return APP_NAME in serve.status().applications
+    except Exception:  # Serve not started on that cluster
+        return False
+
+
 def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Start (or join, with ``--ray-address``) Ray, deploy the fleet, serve until SIGINT/SIGTERM, then shut the
     application down. SIGTERM drains first: new requests get 503 while the in-flight ones get up to
@@ -249,6 +265,9 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     t0 = time.monotonic()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report sent from the user's machine
     port = sc.port or _free_port(sc.host)
+    if sc.port and not _can_listen(sc.host, port):  # Ray's proxy would share it (SO_REUSEPORT) with another
+        print(f"error: cannot listen on {sc.host}:{port}: address already in use", file=sys.stderr)
+        return 2
     threads = engine_config.num_threads or 1
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
     if sc.ray_address:
@@ -257,6 +276,11 @@ def run_fleet(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         ray.init(num_cpus=max(os.cpu_count() or 1, sc.replicas * threads + 1), include_dashboard=False,
                  runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     t_ray = time.monotonic()
+    if sc.ray_address and _app_running():  # serve.run would replace it, and our shutdown would end it
+        print(f"error: a {APP_NAME!r} application already runs on the Ray cluster at {sc.ray_address}; "
+              "stop it first (one leanserve fleet per cluster)", file=sys.stderr)
+        ray.shutdown()
+        return 2
     serve.start(http_options={"host": sc.host, "port": port}, logging_config=QUIET)
     serve.run(build_fleet_app(engine_config, sc), name=APP_NAME, route_prefix="/", blocking=False)
     t_up = time.monotonic()
