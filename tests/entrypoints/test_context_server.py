@@ -57,19 +57,36 @@ def test_truncate_prompt_tokens_on_both_endpoints(client):
     _bad(client.post(COMPLETIONS, json={"prompt": text, "max_tokens": 4}))  # without it: too long, a 400
 
 
-@pytest.mark.parametrize("body", [
-    {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": 4096},
-    {"max_prompt_tokens": -1}, {"max_prompt_tokens": 0}, {"keep_last_turns": 0}, {"max_context_tokens": -5},
-    {"top_k_documents": 0}, {"documents": "not a list"}, {"documents": {"id": "a", "text": "b"}},
-    {"documents": [{"text": "no id"}]}, {"documents": [{"id": "a"}]}, {"documents": [{"id": 1, "text": "x"}]},
-    {"documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]},
-    {"max_prompt_tokens": 5},  # the system prompt and the question alone are longer
-    {"documents": [{"id": str(i), "text": "x"} for i in range(257)]},  # over the limit of 256
+@pytest.mark.parametrize("body, message", [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 (the model's limit) or an integer >= 1, got 0"),
+    ({"truncate_prompt_tokens": -2}, "must be -1 (the model's limit) or an integer >= 1, got -2"),
+    ({"truncate_prompt_tokens": 4096}, "truncate_prompt_tokens (4096) must be at most the model's context length "
+     "(2048)"),
+    ({"max_prompt_tokens": -1}, "max_prompt_tokens: Input should be greater than or equal to 1"),
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens: Input should be greater than or equal to 1"),
+    ({"keep_last_turns": 0}, "keep_last_turns: Input should be greater than or equal to 1"),
+    ({"max_context_tokens": -5}, "max_context_tokens: Input should be greater than or equal to 1"),
+    ({"top_k_documents": 0}, "top_k_documents: Input should be greater than or equal to 1"),
+    ({"documents": "not a list"}, "documents: Input should be a valid list"),
+    ({"documents": {"id": "a", "text": "b"}}, "documents: Input should be a valid list"),
+    ({"documents": [{"text": "no id"}]}, "documents.0.id: Field required"),
+    ({"documents": [{"id": "a"}]}, "documents.0.text: Field required"),
+    ({"documents": [{"id": 1, "text": "x"}]}, "documents.0.id: Input should be a valid string"),
+    ({"documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]},
+     "document ids must be unique; 'a' appears twice"),
+    ({"max_prompt_tokens": 5},  # the system prompt and the question alone are longer
+     "the system/developer messages and the latest user turn alone have 24 tokens, over max_prompt_tokens=5"),
+    ({"documents": [{"id": str(i), "text": "x"} for i in range(257)]},
+     "documents: at most 256 documents are allowed, got 257"),
 ])
-def test_bad_values_are_400s(client, body):
+def test_bad_values_are_400s(client, body, message):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of Peru?"}]
-    param = next(iter(body))
-    _bad(client.post(CHAT, json={"messages": msgs, "max_tokens": 2, **body}), param)
+    r = client.post(CHAT, json={"messages": msgs, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", next(iter(body)))
+    assert message in err["message"]
+    assert client.post(CHAT, json={"messages": msgs, "max_tokens": 1, "cache": False}).status_code == 200
 
 
 # --------------------------------------------------------------------------------------------------- history
