@@ -24,11 +24,9 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from leanserve.bench.command import load_tokenizer
@@ -36,6 +34,7 @@ from leanserve.bench.corpus import Corpus
 from leanserve.bench.runner import BenchConfig, run_benchmark
 from leanserve.bench.server_metrics import parse_samples
 from leanserve.bench.workloads import BenchRequest
+from leanserve.tools.banner import wait_for_banner_url
 
 import httpx
 
@@ -75,20 +74,9 @@ class Server:
                "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.url = ""
-        ready = threading.Event()
-
-        def drain() -> None:
-            for line in self.proc.stdout:
-                m = re.search(r" on (http://127\.0\.0\.1:\d+)", line)
-                if m and not self.url:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
         t0 = time.monotonic()
-        if not ready.wait(300) or not self.url:
+        self.url = wait_for_banner_url(self.proc, 300)
+        if not self.url:
             self.stop()
             raise RuntimeError("server did not start")
         while True:  # the fleet: until every replica's first probe passed

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -28,6 +26,7 @@ from typing import Any, Protocol
 from leanserve.tools.advise_advice import Recommendation
 from leanserve.tools.advise_setup import Setup, apply_change, change_flags, config_to_flags
 from leanserve.tools.advise_thresholds import MIN_IMPROVEMENT
+from leanserve.tools.banner import wait_for_banner_url
 
 import httpx
 
@@ -182,18 +181,8 @@ class ServeProcess:
         err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                      preexec_fn=_stop_with_parent)
-        ready = threading.Event()
-
-        def drain() -> None:
-            for line in self.proc.stdout:
-                m = re.search(r" on (http://127\.0\.0\.1:\d+)", line)
-                if m and not self.url:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(self.timeout_s) or not self.url:
+        self.url = wait_for_banner_url(self.proc, self.timeout_s)
+        if not self.url:
             self.__exit__()
             err.seek(0)
             raise RuntimeError(f"`{' '.join(self.cmd)}` did not start: {err.read()[-1500:]}")
