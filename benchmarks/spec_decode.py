@@ -11,6 +11,11 @@ requests at once. Both engines share the loaded weights; the prefix cache is res
 outputs are checked token-identical (so both runs produce the same tokens). Reported: output tok/s of each, their
 ratio, acceptance rate (accepted / verified drafts) and mean acceptance length (1 + accepted / verifications).
 
+Peer: where llama.cpp's ``llama-server`` is built (``../shared/tools/build-llama-cpp.sh``, or ``--llama-server``), the
+same input-grounded chat requests at batch 1 go to it on the same GGUF file and threads, without speculation and
+with its prompt-lookup drafting (``--spec-type ngram-simple``: its defaults, lookup n-gram 12 and drafts up to 48
+tokens, and one matched to ours, n-gram 4 and 4 drafts); its responses' ``timings`` give draft and accepted counts.
+
 Usage:
     .venv/bin/python -m benchmarks.spec_decode [--num-speculative-tokens 4] [--max-tokens 160] [--no-adaptive]
 Writes benchmarks/results/spec_decode.json and prints a table.
@@ -27,9 +32,10 @@ from leanserve import LLM, SamplingParams
 from leanserve.bench.corpus import docstring_passages
 from leanserve.loader import load_model
 
+import httpx
 import torch
 
-from benchmarks.common import make_workload, write_json
+from benchmarks.common import LlamaServer, find_llama_server, make_workload, write_json
 
 BRIEFS = ["a reusable steel water bottle", "a quiet mechanical keyboard", "a weekend cooking class",
           "a solar phone charger", "a language-learning app", "a standing desk", "a bike repair kit",
@@ -95,6 +101,45 @@ def run(llm: LLM, prompts: list, params: SamplingParams, batch: int) -> tuple[fl
     return sum(map(len, tokens)) / elapsed, tokens, spec
 
 
+LLAMA_CPP_VARIANTS = {
+    "off": [],
+    "ngram-simple (n 12, m 48)": ["--spec-type", "ngram-simple"],
+    "ngram-simple (n 4, m 4)": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                                "--spec-ngram-simple-size-m", "4", "--spec-draft-n-max", "4"],
+}
+
+
+def llama_cpp_rows(binary: str, model: str, workloads: list[str], max_tokens: int, threads: int) -> list[dict]:
+    """Output tok/s of llama-server on each input-grounded workload at batch 1 (4 requests one after the other,
+    greedy, prompt cache off), per variant of :data:`LLAMA_CPP_VARIANTS`, with its draft / accepted counts."""
+    rows = []
+    for variant, extra in LLAMA_CPP_VARIANTS.items():
+        with LlamaServer(binary, model, slots=1, ctx_per_slot=4096, threads=threads, extra_args=extra) as srv, \
+                httpx.Client(base_url=srv.url, timeout=600) as client:
+            for name in workloads:
+                tokens = drafts = accepted = 0
+                t0 = time.perf_counter()
+                for conv in conversations(name, 4):
+                    r = client.post("/v1/chat/completions", json={
+                        "messages": conv, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": False})
+                    r.raise_for_status()
+                    body = r.json()
+                    tokens += body["usage"]["completion_tokens"]
+                    timings = body.get("timings", {})
+                    drafts += timings.get("draft_n", 0)
+                    accepted += timings.get("draft_n_accepted", 0)
+                elapsed = time.perf_counter() - t0
+                rows.append({"engine": "llama.cpp", "variant": variant, "workload": name, "batch": 1,
+                             "output_tokens": tokens, "tok_s": tokens / elapsed, "draft_tokens": drafts,
+                             "accepted": accepted, "acceptance_rate": accepted / drafts if drafts else None})
+                print(f"llama.cpp {variant:<26} {name:<12} batch  1: {tokens / elapsed:7.1f} tok/s  "
+                      f"drafted {drafts}  accepted {accepted}", flush=True)
+    off = {r["workload"]: r["tok_s"] for r in rows if r["variant"] == "off"}
+    for r in rows:
+        r["ratio_to_off"] = r["tok_s"] / off[r["workload"]]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -105,6 +150,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="extract,quote-qa,code-edit,copywriting,mixed")
     ap.add_argument("--draft-workloads", default="extract,copywriting",
                     help="workloads of the fp32 target with its own 4-bit draft, at batch 1 ('' to skip)")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: the built peer, if any)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     loaded = load_model(args.model, quantization="auto")
@@ -160,6 +207,16 @@ def main() -> None:
             rows.append(row)
             print(f"{row['workload']:<38} batch 1: off {off:6.1f} tok/s  on {on:6.1f} tok/s  {on / off:5.2f}x  "
                   f"acceptance {row['acceptance_rate'] or 0:.2f}  same tokens {row['same_tokens']}", flush=True)
+    peer_rows = []
+    binary = None if args.no_llama_cpp else find_llama_server(args.llama_server)
+    if binary:
+        grounded_names = [w for w in args.workloads.split(",") if w in ("extract", "quote-qa", "code-edit")]
+        peer_rows = llama_cpp_rows(binary, loaded.path, grounded_names, args.max_tokens, torch.get_num_threads())
+        ours = {r["workload"]: r for r in rows if r["batch"] == 1}
+        for p in peer_rows:
+            if p["workload"] in ours:
+                p["leanserve_ngram_tok_s"] = ours[p["workload"]]["on_tok_s"]
+                p["leanserve_ngram_vs_this"] = ours[p["workload"]]["on_tok_s"] / p["tok_s"]
     grounded = [r for r in rows if r["batch"] == 1 and r["workload"] in ("extract", "quote-qa", "code-edit")]
     summary = {"best_grounded_batch1": max((r["ratio"] for r in grounded), default=None),
                "mean_grounded_batch1": sum(r["ratio"] for r in grounded) / len(grounded) if grounded else None,
@@ -169,8 +226,8 @@ def main() -> None:
                    r: round(s * 1000, 3) for r, s in zip(spec.engine.spec_policy.cost.rows,
                                                          spec.engine.spec_policy.cost.seconds, strict=True)}}
     print(summary)
-    write_json(args.out, {"config": vars(args), "threads": torch.get_num_threads(), "rows": rows, "summary": summary})
-    print(f"wrote {args.out}")
+    write_json(args.out, {"config": vars(args), "threads": torch.get_num_threads(), "rows": rows,
+                          "llama_cpp": peer_rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -42,3 +42,35 @@ def test_faq_draw_is_zipf(corpus):
     h50 = sum(1 / k for k in range(1, 51))
     assert abs(counts[0] / 20000 - 1 / h50) < 0.01 and abs(counts[1] / 20000 - 0.5 / h50) < 0.01
     assert counts[0] > counts[9] > counts[49]
+
+
+def test_answer_cache_sweep_runs_off_and_on_back_to_back(corpus, monkeypatch):
+    """At each rate off runs, then on (same machine load for both); each variant's sustained rate comes from its
+    own attainments; hits are counted from the responses."""
+    from types import SimpleNamespace
+
+    from leanserve.bench import context_compare
+    from leanserve.bench.runner import BenchConfig
+
+    calls = []
+    attainment = {("off", 2.0): 1.0, ("off", 4.0): 0.5, ("on", 2.0): 1.0, ("on", 4.0): 0.95}
+
+    def fake_run(cfg, reqs, label, count_tokens):
+        variant = "off" if "off" in label else "on"
+        calls.append((variant, cfg.request_rate, reqs[0].extra.get("cache"), reqs[0].prompt))
+        results = [SimpleNamespace(answer_cache="hit" if variant == "on" and i % 2 else "miss")
+                   for i in range(len(reqs))]
+        metrics = SimpleNamespace(latency={"median_ttft_ms": 1.0, "p99_ttft_ms": 2.0}, failed=0,
+                                  slo_attainment=attainment[(variant, cfg.request_rate)])
+        return SimpleNamespace(results=results, metrics=metrics)
+
+    monkeypatch.setattr(context_compare, "run_benchmark", fake_run)
+    rows = context_compare.compare_answer_cache(BenchConfig(base_url="http://x", slos={"ttft": 3000}), corpus,
+                                                n=10, seed=0, rates=[2.0, 4.0], goal=0.9)
+    assert [(v, r, c) for v, r, c, _ in calls] == [("off", 2.0, False), ("on", 2.0, None), ("off", 4.0, False),
+                                                   ("on", 4.0, None)]
+    assert len({p for *_, p in calls}) == 4  # every run has its own cold prompts
+    assert rows["answer cache off"]["max_sustained_rate"] == 2.0
+    assert rows["answer cache on"]["max_sustained_rate"] == 4.0
+    assert [x["hit_rate"] for x in rows["answer cache on"]["runs"]] == [0.5, 0.5]
+    assert [x["hit_rate"] for x in rows["answer cache off"]["runs"]] == [0.0, 0.0]
