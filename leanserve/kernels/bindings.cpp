@@ -13,6 +13,7 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor kquant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
 torch::Tensor kquant_dequantize(torch::Tensor w, int64_t qtype);
+torch::Tensor f32_small_gemm(torch::Tensor x, torch::Tensor w);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
 
@@ -22,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows)");
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
   m.def("kquant_gemm", &kquant_gemm, "x @ w.T for a GGUF Q4_K / Q6_K matrix in its file bytes (float32)");
+  m.def("f32_small_gemm", &f32_small_gemm, "x @ w.T for float32 x [T <= 8, K] and w [N, K]");
   m.def("kquant_dequantize", &kquant_dequantize, "w [N, K] float32 from GGUF Q4_K / Q6_K bytes");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");

@@ -116,7 +116,7 @@ class Gemma3Model:
                                    for p in parts])
             q = quantize_weight(fused, quantization, group_size, block_ext)
             if isinstance(q, torch.Tensor):
-                return FloatWeight(q.to(device=self.device, dtype=dtype).contiguous())
+                return FloatWeight(q.to(device=self.device, dtype=dtype).contiguous(), block_ext)
             if self.device.type != "cpu":
                 raise UnsupportedQuantizationError(
                     "quantization", f"quantized weights run on the CPU only, not on {self.device.type}")
@@ -127,7 +127,7 @@ class Gemma3Model:
             self.embed: BlockQuantWeight | FloatWeight = quantize_weight(emb, quantization, group_size, block_ext)
         else:
             emb = emb.dequantize() if isinstance(emb, GroupQuantized) else emb
-            self.embed = FloatWeight(emb.to(device=self.device, dtype=dtype).contiguous())
+            self.embed = FloatWeight(emb.to(device=self.device, dtype=dtype).contiguous(), block_ext)
         self.lm_head: LinearWeight = self.embed
         # transformers: embed_scale = hidden**0.5 as a float32 tensor, cast to the weight's dtype
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32).to(dtype)

@@ -116,7 +116,7 @@ class LlamaModel:
                 fused = torch.cat([p.dequantize() if isinstance(p, GroupQuantized) else p.float() for p in parts])
             q = quantize_weight(fused, quantization, group_size, block_ext)
             if isinstance(q, torch.Tensor):
-                return FloatWeight(q.to(device=self.device, dtype=dtype).contiguous())
+                return FloatWeight(q.to(device=self.device, dtype=dtype).contiguous(), block_ext)
             if self.device.type != "cpu":
                 raise UnsupportedQuantizationError(
                     "quantization", f"quantized weights run on the CPU only, not on {self.device.type}")
@@ -127,7 +127,7 @@ class LlamaModel:
             t = weights[name]
             if quantization == "auto" and block_ext is not None and isinstance(t, GroupQuantized):
                 return quantize_weight(t, quantization, group_size, block_ext)
-            return FloatWeight(w(name))
+            return FloatWeight(w(name), block_ext)
 
         # [vocab, hidden]; rows() is the lookup, matmul() the (tied) output head
         self.embed: BlockQuantWeight | FloatWeight = table("model.embed_tokens.weight")

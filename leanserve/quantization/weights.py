@@ -110,6 +110,9 @@ BF16_GEMM_MAX_ROWS = 8
 INVARIANT_ROWS = 8
 
 
+SMALL_GEMM_MAX_ROWS = 8  # float32 products of up to this many rows run the native small-batch kernel
+
+
 @functools.cache
 def torch_gemm_max_rows() -> int:
     """Most rows for which fp32 products run torch's GEMM rather than NumPy's BLAS gemm, measured once per process
@@ -143,6 +146,9 @@ class FloatWeight:
 
     Kernel, for x [T, in] (see :class:`LinearWeight` for the arguments):
 
+    * float32 on CPU with the native kernels (``ext``) and T <= :data:`SMALL_GEMM_MAX_ROWS` (not in
+      batch-invariant mode): ``ext.f32_small_gemm``, which reads the weight once for all T rows and computes each row
+      with the same operations whatever T is (a row's result is bitwise independent of the others). Returns float32.
     * float32 on CPU with :func:`numpy_blas_enabled` (float32 x): NumPy's BLAS: gemv at T = 1, gemm at T > 1 (torch's
       GEMM up to :func:`torch_gemm_max_rows` rows, where it measured faster on this machine); with
       ``invariant_rows`` (batch-invariant mode), gemm on chunks of exactly that many rows, the last zero-padded, so
@@ -158,11 +164,14 @@ class FloatWeight:
         weight: the [out, in] tensor (contiguous, as the model builds it).
     """
 
-    __slots__ = ("weight", "_wn", "_wnt", "_bf16_cpu")
+    __slots__ = ("weight", "_wn", "_wnt", "_bf16_cpu", "_small")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, ext: Any = None) -> None:
+        """weight: [out, in]; ext: the native kernels (:func:`leanserve.kernels.native_ops`) or None."""
         self.weight = weight
         cpu = weight.device.type == "cpu"
+        self._small = ext if (ext is not None and cpu and weight.dtype == torch.float32
+                              and hasattr(ext, "f32_small_gemm")) else None
         self._wn = weight.numpy() if _NUMPY_BLAS and cpu and weight.dtype == torch.float32 else None
         self._wnt = None if self._wn is None else self._wn.T
         if self._wn is not None:
@@ -197,6 +206,10 @@ class FloatWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
                invariant_rows: int = 0) -> torch.Tensor:
         """``x @ weight.T + bias``: x [T, in] -> [T, out] (kernel per the class notes)."""
+        if (self._small is not None and not invariant_rows and x.dtype == torch.float32
+                and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS):
+            y = self._small.f32_small_gemm(x, self.weight)
+            return y if bias is None else y + bias
         wn = self._wn
         if wn is not None and x.dtype == torch.float32:
             t = x.shape[0]

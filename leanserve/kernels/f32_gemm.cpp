@@ -1,0 +1,163 @@
+// Float32 matrix product for a few rows: y = x @ w.T, x [T, K] (T <= 8), w [N, K], both float32, contiguous.
+//
+// Why: a decode step multiplies one row per sequence by every weight matrix, and speculative verification a few
+// rows (1 + k per sequence). OpenBLAS's sgemv streams the weights at the memory's speed for one row, but its sgemm
+// for 2-8 rows is several times slower than that one gemv on the CPUs measured (it packs panels meant for large
+// products), so verifying 4 drafts against a float32 model cost ~5 plain decode steps. This kernel reads each
+// weight row once for all T input rows, so T <= 8 rows cost about what one row does when the weights come from
+// memory.
+//
+// Numerics: every output y[t, n] is one fused multiply-add chain over k in vector steps of the ISA's width (16
+// floats on AVX-512, 8 on AVX2; the last partial step zero-masked), then a fixed-order horizontal sum: the same
+// operations whatever T is, however the rows of w are split between threads, so a row's result is bitwise
+// independent of the other rows in the product (a verified token's logits equal those of its plain decode). It
+// differs from BLAS in the last bits (another summation order).
+#include <torch/extension.h>
+#include "spin_pool.h"
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+
+#if defined(__AVX512F__)
+constexpr int64_t kWidth = 16;
+
+// Rows [n0, n1) of y for T input rows, R weight rows at a time (T * R accumulators).
+template <int T, int R>
+void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t full = K / kWidth * kWidth;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1u);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += kWidth) {
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);
+      for (int t = 0; t < T; ++t) {
+        const __m512 xv = _mm512_loadu_ps(x + t * K + k);
+        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+      }
+    }
+    if (full < K) {
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + (n + r) * K + full);
+      for (int t = 0; t < T; ++t) {
+        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + t * K + full);
+        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) y[t * N + n + r] = _mm512_reduce_add_ps(acc[t][r]);
+  }
+  if (n < n1) block<T, 1>(x, w, y, K, N, n, n1);  // the last rows, one at a time (same chain per output)
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kWidth = 8;
+
+inline float hsum(__m256 v) {  // fixed order: (lo + hi) pairwise
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int T, int R>
+void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t full = K / kWidth * kWidth;
+  alignas(32) int32_t mask_bits[8];
+  for (int i = 0; i < 8; ++i) mask_bits[i] = i < K - full ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m256 acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += kWidth) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
+      for (int t = 0; t < T; ++t) {
+        const __m256 xv = _mm256_loadu_ps(x + t * K + k);
+        for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+      }
+    }
+    if (full < K) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(w + (n + r) * K + full, tail);
+      for (int t = 0; t < T; ++t) {
+        const __m256 xv = _mm256_maskload_ps(x + t * K + full, tail);
+        for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) y[t * N + n + r] = hsum(acc[t][r]);
+  }
+  if (n < n1) block<T, 1>(x, w, y, K, N, n, n1);
+}
+
+#else
+template <int T, int R>
+void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int t = 0; t < T; ++t) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[t * K + k] * w[n * K + k];
+      y[t * N + n] = s;
+    }
+}
+#endif
+
+// Weight rows per accumulator group: as many as the registers hold (T * R accumulators plus R weights and one x).
+#if defined(__AVX512F__)
+template <int T>
+constexpr int kGroup = T <= 2 ? 4 : (T <= 4 ? 3 : 2);
+#else
+template <int T>
+constexpr int kGroup = T <= 2 ? 4 : (T <= 4 ? 2 : 1);
+#endif
+
+template <int T>
+void run(const float* x, const float* w, float* y, int64_t K, int64_t N) {
+  // Tasks of 32 weight rows (a multiple of every group size but 3: the remainder rows take the single-row path,
+  // which computes the same chain per output).
+  constexpr int64_t kRowsPerTask = 32;
+  leanserve::SpinPool::parallel_for((N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    block<T, kGroup<T>>(x, w, y, K, N, begin * kRowsPerTask, std::min(N, end * kRowsPerTask));
+  });
+}
+
+}  // namespace
+
+// y [T, N] float32 = x [T, K] @ w [N, K].T for 1 <= T <= 8 (see the notes at the top of this file).
+torch::Tensor f32_small_gemm(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "f32_small_gemm: x [T, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
+              "f32_small_gemm: float32 tensors");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "f32_small_gemm: 1 to 8 rows");
+  TORCH_CHECK(w.is_contiguous(), "f32_small_gemm: w must be contiguous");
+  x = x.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (T) {
+    case 1: run<1>(xp, wp, yp, K, N); break;
+    case 2: run<2>(xp, wp, yp, K, N); break;
+    case 3: run<3>(xp, wp, yp, K, N); break;
+    case 4: run<4>(xp, wp, yp, K, N); break;
+    case 5: run<5>(xp, wp, yp, K, N); break;
+    case 6: run<6>(xp, wp, yp, K, N); break;
+    case 7: run<7>(xp, wp, yp, K, N); break;
+    default: run<8>(xp, wp, yp, K, N); break;
+  }
+  return y;
+}
