@@ -314,6 +314,9 @@ class ServerConfig:
     max_prompt_tokens: int | None = option(
         None, "chat history budget: drop the oldest turns so the prompt has at most this many tokens (system "
         "messages and the latest user turn stay; reported in usage.leanserve)", type=int)
+    history_summary_tokens: int | None = option(
+        None, "replace the turns the history budget drops with a summary of at most this many tokens, written by "
+        "the served model once per dropped prefix and reused (0 = off)", type=int)
     max_context_tokens: int | None = option(None, "token budget of a request's documents (RAG passages)", type=int)
     top_k_documents: int | None = option(None, "most documents (RAG passages) kept per request", type=int)
     answer_cache: str = option("off", "answer cache of deterministic requests (temperature 0 or a seed), per API "
@@ -335,6 +338,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
             _check_int(name, getattr(self, name), 1, optional=True)
+        _check_int("history_summary_tokens", self.history_summary_tokens, 0, optional=True)
         _check_choice("answer_cache", self.answer_cache, ANSWER_CACHE_MODES)
         _check_int("answer_cache_bytes", self.answer_cache_bytes, 1)
         _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)

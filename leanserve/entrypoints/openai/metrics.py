@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from leanserve import metric_names as names
 from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
+from leanserve.entrypoints.openai.history_summary import INTERNAL_REQUEST_PREFIX
 from leanserve.outputs import RequestOutput
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -216,6 +217,8 @@ class ServerMetrics:
         for o in out.outputs:
             self._seen.pop((out.request_id, o.index), None)
         self._prefilled.discard(out.request_id)
+        if out.request_id.startswith(INTERNAL_REQUEST_PREFIX):  # the server's own (a history summary): no client's
+            return
         reason = out.outputs[0].finish_reason or "abort"
         self._success.labels(self._model_name, reason).inc()
         s = summarize(out)
