@@ -89,6 +89,19 @@ def test_bad_values_are_400s(client, body, message):
     assert client.post(CHAT, json={"messages": msgs, "max_tokens": 1, "cache": False}).status_code == 200
 
 
+@pytest.mark.parametrize("body", [{"documents": [{"id": "a", "text": "Lima is the capital of Peru."}]},
+                                  {"documents": []}, {"max_context_tokens": 100}, {"top_k_documents": 2},
+                                  {"max_prompt_tokens": 100}, {"keep_last_turns": 1}, {"history_summary_tokens": 8}])
+def test_chat_only_context_fields_on_completions_are_400s_naming_the_field(client, body):
+    r = client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, **body})
+    field = next(iter(body))
+    err = _bad(r, field)
+    assert err["message"] == f"{field}: Value error, {field} is only supported on /v1/chat/completions (it needs " \
+        "messages); on /v1/completions put passages in the prompt and use truncate_prompt_tokens"
+    assert client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, "cache": False,
+                                          **{field: None}}).status_code == 200  # null is the default: accepted
+
+
 # --------------------------------------------------------------------------------------------------- history
 def conversation(turns: int, extra: int = 0) -> list[dict]:
     conv = [{"role": "system", "content": "You are a patient travel agent. Answer in one short sentence."}]

@@ -228,6 +228,10 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
+CHAT_ONLY_FIELDS = ("documents", "max_context_tokens", "top_k_documents", "max_prompt_tokens", "keep_last_turns",
+                    "history_summary_tokens")
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -235,6 +239,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
+    # the chat request's context fields (passages, history): refused here with a 400 naming the field, not
+    # ignored: a raw prompt has no messages to trim and no chat template to place passages in
+    documents: list[Document] | None = None
+    max_context_tokens: int | None = None
+    top_k_documents: int | None = None
+    max_prompt_tokens: int | None = None
+    keep_last_turns: int | None = None
+    history_summary_tokens: int | None = None
+
+    @field_validator(*CHAT_ONLY_FIELDS, mode="before")
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is only supported on /v1/chat/completions (it needs messages); "
+                             "on /v1/completions put passages in the prompt and use truncate_prompt_tokens")
+        return value
 
 
 class TokenizeRequest(OpenAIBaseModel):
