@@ -37,7 +37,8 @@ class PreparedChat:
         documents_used / documents_dropped / documents_duplicates: passage ids (None: no documents); the
             duplicates map a removed id to the kept one it repeats.
         summary_status: None (no summary asked, or nothing dropped); "pending" (wanted: summarize
-            ``summary_messages`` and call again with the text); "applied"; "skipped" (``summary_reason`` says why:
+            ``summary_messages`` and call again with the text); "applied" (which callers report as "computed" or
+            "reused"); "failed" (set by a caller whose summary request failed); "skipped" (``summary_reason`` says why:
             it cannot fit ``max_prompt_tokens``). ``summary_source``: the indexes of the messages it replaces.
     """
 

@@ -87,7 +87,8 @@ class LLM:
         that this model writes (greedy; once per dropped prefix, then reused from an LRU on this object);
         ``truncate_prompt_tokens`` is a field of ``SamplingParams``. What they did, per conversation, is in
         :attr:`last_chat_context` (:class:`~leanserve.context.PreparedChat`: dropped message indexes, passage ids
-        used / dropped / duplicates, prompt tokens as sent, ``summary_status`` / ``summary_source``).
+        used / dropped / duplicates, prompt tokens as sent, ``summary_status`` (computed / reused / skipped /
+        failed, as the server's ``usage.leanserve.history_summary``) / ``summary_source``).
 
         Raises:
             InvalidParameterError: a bad option or conversation; ContextLengthExceededError: a conversation that
@@ -115,6 +116,7 @@ class LLM:
         """``conv`` prepared again with the summary of its dropped messages (computed greedily, or reused)."""
         key = summary_key(self.engine.config.model or "", n, pending.summary_messages)
         text = self._summaries.get(key)
+        reused = text is not None
         if text is None:
             ids = summary_prompt(pending.summary_messages, self.engine.tokenizer, self.engine.max_model_len - n)
             out = self._run([ids], SamplingParams(temperature=0.0, max_tokens=n), False)[0]
@@ -123,7 +125,10 @@ class LLM:
                 pending.summary_status, pending.summary_reason = "failed", "the model returned an empty summary"
                 return pending
             self._summaries.put(key, text)
-        return prepare(conv, text)
+        prepared = prepare(conv, text)
+        if prepared.summary_status == "applied":  # as the server reports it
+            prepared.summary_status = "reused" if reused else "computed"
+        return prepared
 
     @staticmethod
     def _prompt_of(p: PromptType) -> str | list[int]:

@@ -132,7 +132,7 @@ def test_llm_chat_summarizes_the_dropped_turns_once(llm, monkeypatch):
     monkeypatch.setattr(llm, "_run", lambda prompts, *a: runs.append(prompts) or run(prompts, *a))
     out = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
     (ctx,) = llm.last_chat_context
-    assert (ctx.summary_status, ctx.summary_source, ctx.dropped_messages) == ("applied", [1, 2], [1, 2])
+    assert (ctx.summary_status, ctx.summary_source, ctx.dropped_messages) == ("computed", [1, 2], [1, 2])
     assert len(runs) == 2  # the summary, then the chat
     ids = summary_prompt(conv[1:3], llm.get_tokenizer(), 10_000)
     text = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
@@ -140,5 +140,6 @@ def test_llm_chat_summarizes_the_dropped_turns_once(llm, monkeypatch):
                             summary=text.strip())
     assert out[0].prompt_token_ids == expected.prompt_token_ids
     runs.clear()
-    llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
-    assert len(runs) == 1  # reused: only the chat ran
+    again = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
+    assert len(runs) == 1 and llm.last_chat_context[0].summary_status == "reused"  # only the chat ran
+    assert again[0].prompt_token_ids == expected.prompt_token_ids

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (vLLM's names and ``model_name`` label, from :mod:`leanserve.metric_names`),
 in a registry of its own.
 
-Request-level histograms get one observation per request, when it ends (any reason); inter-token latency gets
+Request-level histograms get one observation per request, when it ends (any reason; the server's own internal
+requests, a history summary's, are no client's: skipped there and in ``request_success``, their tokens counted); inter-token latency gets
 one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
 async engine's stats snapshot at scrape time. Process memory comes from prometheus_client's process collector;
 GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when torch sees CUDA.
