@@ -2,10 +2,11 @@
 in a registry of its own.
 
 Request-level histograms get one observation per request, when it ends (any reason; the server's own internal
-requests, a history summary's, are no client's: skipped there and in ``request_success``, their tokens counted); inter-token latency gets
-one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
-async engine's stats snapshot at scrape time. Process memory comes from prometheus_client's process collector;
-GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when torch sees CUDA.
+requests, a history summary's, are no client's: skipped there and in ``request_success``, their tokens
+counted); inter-token latency gets one per generated token after the first. Gauges and the prefix-cache /
+preemption counters are read from the async engine's stats snapshot at scrape time. Process memory comes from
+prometheus_client's process collector; GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when
+torch sees CUDA.
 """
 
 from __future__ import annotations
