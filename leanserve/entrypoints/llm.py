@@ -10,7 +10,7 @@ from leanserve.config import EngineConfig
 from leanserve.context.chat import PreparedChat, prepare_chat
 from leanserve.context.summary import SummaryCache, summary_key, summary_prompt
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
@@ -118,11 +118,17 @@ class LLM:
         text = self._summaries.get(key)
         reused = text is not None
         if text is None:
-            ids = summary_prompt(pending.summary_messages, self.engine.tokenizer, self.engine.max_model_len - n)
-            out = self._run([ids], SamplingParams(temperature=0.0, max_tokens=n), False)[0]
-            text = out.outputs[0].text.strip()
+            try:  # a summary that cannot run (N beyond the context, ...) falls back to plain dropping
+                ids = summary_prompt(pending.summary_messages, self.engine.tokenizer,
+                                     max(1, self.engine.max_model_len - n))
+                out = self._run([ids], SamplingParams(temperature=0.0, max_tokens=n), False)[0]
+                text = out.outputs[0].text.strip()
+            except LeanserveError as exc:
+                text, error = "", f"{type(exc).__name__}: {exc}"
+            else:
+                error = "the model returned an empty summary"
             if not text:
-                pending.summary_status, pending.summary_reason = "failed", "the model returned an empty summary"
+                pending.summary_status, pending.summary_reason = "failed", error
                 return pending
             self._summaries.put(key, text)
         prepared = prepare(conv, text)

@@ -143,3 +143,7 @@ def test_llm_chat_summarizes_the_dropped_turns_once(llm, monkeypatch):
     again = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
     assert len(runs) == 1 and llm.last_chat_context[0].summary_status == "reused"  # only the chat ran
     assert again[0].prompt_token_ids == expected.prompt_token_ids
+    failed = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=100_000)  # cannot run: plain
+    assert llm.last_chat_context[0].summary_status == "failed"
+    assert "ContextLengthExceededError" in llm.last_chat_context[0].summary_reason
+    assert failed[0].prompt_token_ids == prepare_chat(conv, llm.get_tokenizer(), keep_last_turns=1).prompt_token_ids
