@@ -276,7 +276,8 @@ class ServerConfig:
 
     Raises:
         InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1, an unknown
-            log level, a negative limit or timeout, or an empty API key.
+            log level, a negative limit or timeout, an empty API key, or ``answer_cache_similarity`` given while
+            ``answer_cache`` is not "semantic".
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -314,6 +315,9 @@ class ServerConfig:
     max_prompt_tokens: int | None = option(
         None, "chat history budget: drop the oldest turns so the prompt has at most this many tokens (system "
         "messages and the latest user turn stay; reported in usage.leanserve)", type=int)
+    history_summary_tokens: int | None = option(
+        None, "replace the turns the history budget drops with a summary of at most this many tokens, written by "
+        "the served model once per dropped prefix and reused (0 = off)", type=int)
     max_context_tokens: int | None = option(None, "token budget of a request's documents (RAG passages)", type=int)
     top_k_documents: int | None = option(None, "most documents (RAG passages) kept per request", type=int)
     answer_cache: str = option("off", "answer cache of deterministic requests (temperature 0 or a seed), per API "
@@ -322,8 +326,9 @@ class ServerConfig:
     answer_cache_bytes: int = option(64 << 20, "size bound of the answer cache", type=int, metavar="BYTES")
     answer_cache_ttl: float = option(600.0, "seconds an answer stays in the answer cache", type=float,
                                      metavar="SECONDS")
-    answer_cache_similarity: float = option(0.9, "semantic answer cache: least cosine similarity of the last user "
-                                            "messages for a hit", type=float)
+    answer_cache_similarity: float | None = option(
+        None, "with --answer-cache semantic only: least cosine similarity of the last user messages for a hit "
+        "(default: 0.9)", type=float)
     replicas: int = option(1, "engine replicas, each with its own --threads and KV cache; more than 1 serves them "
                            "on Ray Serve (pip install 'leanserve[ray]') behind --replica-router", type=int)
     ray_address: str | None = option(None, "with --replicas > 1: join this Ray cluster (e.g. 'auto' or "
@@ -335,13 +340,18 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
             _check_int(name, getattr(self, name), 1, optional=True)
+        _check_int("history_summary_tokens", self.history_summary_tokens, 0, optional=True)
         _check_choice("answer_cache", self.answer_cache, ANSWER_CACHE_MODES)
         _check_int("answer_cache_bytes", self.answer_cache_bytes, 1)
         _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)
-        if isinstance(self.answer_cache_similarity, bool) or not isinstance(self.answer_cache_similarity, int | float) \
-                or not 0.0 < self.answer_cache_similarity <= 1.0:
-            raise InvalidParameterError("answer_cache_similarity", "answer_cache_similarity must be in (0, 1], got "
-                                        f"{self.answer_cache_similarity!r}")
+        sim = self.answer_cache_similarity
+        if sim is not None and (isinstance(sim, bool) or not isinstance(sim, int | float) or not 0.0 < sim <= 1.0):
+            raise InvalidParameterError("answer_cache_similarity", f"answer_cache_similarity must be in (0, 1], got "
+                                        f"{sim!r}")
+        if sim is not None and self.answer_cache != "semantic":
+            raise InvalidParameterError("answer_cache_similarity", "answer_cache_similarity applies to the semantic "
+                                        f"answer cache only; answer_cache is {self.answer_cache!r} (set it to "
+                                        "'semantic', or drop the similarity)")
         _check_int("port", self.port, 0)
         _check_int("replicas", self.replicas, 1)
         _check_choice("replica_router", self.replica_router, REPLICA_ROUTERS)

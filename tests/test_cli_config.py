@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from leanserve.cli import build_parser, engine_config, main
 from leanserve.config import EngineConfig, ServerConfig, config_from_args, flag_of
+from leanserve.errors import InvalidParameterError
 
 import pytest
 
@@ -39,8 +40,23 @@ def test_flags_reach_their_fields():
                                             (["generate", "--prompt", "x", "--kv-cache-memory", "-5"],
                                              "--kv-cache-memory"),
                                             (["serve", "--speculative-config", '{"method": "eagle"}'],
-                                             "--speculative-config")])
+                                             "--speculative-config"),
+                                            (["serve", "--answer-cache-similarity", "0.8"],
+                                             "--answer-cache-similarity"),
+                                            (["serve", "--answer-cache", "exact", "--answer-cache-similarity", "0.9"],
+                                             "--answer-cache-similarity"),
+                                            (["serve", "--answer-cache", "semantic", "--answer-cache-similarity",
+                                              "1.5"], "--answer-cache-similarity"),
+                                            (["serve", "--history-summary-tokens", "-1"], "--history-summary-tokens")])
 def test_a_refused_value_is_one_line_naming_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {flag}: ") and "\n" not in err
+
+
+def test_answer_cache_similarity_only_with_the_semantic_cache():
+    assert ServerConfig(answer_cache="semantic", answer_cache_similarity=0.8).answer_cache_similarity == 0.8
+    assert ServerConfig(answer_cache="semantic").answer_cache_similarity is None  # the cache's default, 0.9
+    with pytest.raises(InvalidParameterError, match="semantic answer cache only; answer_cache is 'off'") as e:
+        ServerConfig(answer_cache_similarity=0.8)
+    assert e.value.param == "answer_cache_similarity"

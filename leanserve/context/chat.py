@@ -2,6 +2,15 @@
 
 :func:`prepare_chat` is what the server (``entrypoints/openai/context_policies.py``) and ``LLM.chat`` both run.
 The history budget counts the passages too: they sit in the latest user turn, which is never dropped.
+
+With ``history_summary_tokens=N`` (and turns dropped by the budget), the dropped turns are replaced by a summary
+(:mod:`leanserve.context.summary`) that the caller gets from the served model: the summary's room is reserved in
+``max_prompt_tokens`` (N tokens plus its message's own), so the history is trimmed to ``max_prompt_tokens`` minus
+that room; the summary's source is then those dropped messages. :func:`prepare_chat` is pure: a first call without
+``summary`` reports ``summary_status="pending"`` and the messages to summarize (its prompt is plain dropping, the
+fallback); a second call with the summary's text puts it in (status ``"applied"``), unless the prompt with it is
+over ``max_prompt_tokens`` (``"skipped"``, plain dropping). Both calls make the same cut: the cut depends only on
+the conversation and the budgets, never on the summary's text, so it stays put across turns as without a summary.
 """
 
 from __future__ import annotations
@@ -10,8 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanserve.context.history import count_tokens, trim_history
+from leanserve.context.history import TrimmedHistory, count_tokens, trim_history
 from leanserve.context.passages import as_passages, build_messages, last_user_text, select_passages
+from leanserve.context.summary import summary_message, with_summary
+from leanserve.errors import ContextLengthExceededError, InvalidParameterError
 
 
 @dataclass
@@ -25,6 +36,10 @@ class PreparedChat:
         dropped_messages: indexes into the given messages (None: no history policy).
         documents_used / documents_dropped / documents_duplicates: passage ids (None: no documents); the
             duplicates map a removed id to the kept one it repeats.
+        summary_status: None (no summary asked, or nothing dropped); "pending" (wanted: summarize
+            ``summary_messages`` and call again with the text); "applied" (which callers report as "computed" or
+            "reused"); "failed" (set by a caller whose summary request failed); "skipped" (``summary_reason`` says why:
+            it cannot fit ``max_prompt_tokens``). ``summary_source``: the indexes of the messages it replaces.
     """
 
     prompt_token_ids: list[int]
@@ -34,6 +49,10 @@ class PreparedChat:
     documents_used: list[str] | None = None
     documents_dropped: list[str] | None = None
     documents_duplicates: dict[str, str] = field(default_factory=dict)
+    summary_status: str | None = None
+    summary_source: list[int] | None = None
+    summary_messages: list[dict[str, Any]] | None = None
+    summary_reason: str | None = None
 
     @property
     def active(self) -> bool:
@@ -57,14 +76,20 @@ class _WithKwargs:
 def prepare_chat(messages: Sequence[dict[str, Any]], tokenizer: Any, *, documents: Sequence[Any] | None = None,
                  max_context_tokens: int | None = None, top_k_documents: int | None = None,
                  reorder_documents: bool = True, max_prompt_tokens: int | None = None,
-                 keep_last_turns: int | None = None, add_generation_prompt: bool = True) -> PreparedChat:
+                 keep_last_turns: int | None = None, add_generation_prompt: bool = True,
+                 history_summary_tokens: int | None = None, summary: str | None = None) -> PreparedChat:
     """Apply the passage policy (:func:`~leanserve.context.passages.select_passages`, query = the last user
-    message), then the history policy (:func:`~leanserve.context.history.trim_history`), then the chat template.
+    message), then the history policy (:func:`~leanserve.context.history.trim_history`), with the summary of the
+    dropped turns when ``history_summary_tokens`` is set (module docstring), then the chat template.
 
     Raises:
-        InvalidParameterError: bad documents or budgets, a template error; ContextLengthExceededError: the
-            pinned part of the conversation exceeds ``max_prompt_tokens``.
+        InvalidParameterError: bad documents or budgets (``history_summary_tokens`` < 0), a template error;
+            ContextLengthExceededError: the pinned part of the conversation exceeds ``max_prompt_tokens``.
     """
+    n = history_summary_tokens
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise InvalidParameterError("history_summary_tokens", f"history_summary_tokens must be an integer >= 0, "
+                                    f"got {n!r}")
     msgs = [dict(m) for m in messages]
     kwargs: dict[str, Any] = {}
     out = PreparedChat([], msgs, 0)
@@ -81,11 +106,51 @@ def prepare_chat(messages: Sequence[dict[str, Any]], tokenizer: Any, *, document
         tok = _WithKwargs(tokenizer, kwargs) if kwargs else tokenizer
         trimmed = trim_history(msgs, tok, max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
                                add_generation_prompt=add_generation_prompt)
-        out.dropped_messages = trimmed.dropped
         sent = trimmed.num_tokens_sent if sent is None else sent
-        msgs = trimmed.messages
+        if history_summary_tokens and trimmed.dropped:
+            trimmed, msgs_with_summary = _summarize(out, msgs, tok, trimmed, history_summary_tokens, summary,
+                                                    max_prompt_tokens, keep_last_turns, add_generation_prompt)
+        else:
+            msgs_with_summary = None
+        out.dropped_messages = trimmed.dropped
+        msgs = msgs_with_summary or trimmed.messages
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
     out.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
     out.messages = msgs
     out.prompt_tokens_sent = len(out.prompt_token_ids) if sent is None else sent
     return out
+
+
+def _summarize(out: PreparedChat, msgs: list[dict[str, Any]], tok: Any, trimmed: TrimmedHistory, n: int,
+               summary: str | None, max_prompt_tokens: int | None, keep_last_turns: int | None,
+               add_generation_prompt: bool) -> tuple[TrimmedHistory, list[dict[str, Any]] | None]:
+    """The history cut that leaves room for the summary, and the messages with it (None: plain dropping)."""
+    reserved: TrimmedHistory | None = trimmed
+    if max_prompt_tokens is not None:
+        room = n + count_tokens(tok, [summary_message("")], add_generation_prompt=False)
+        try:
+            reserved = None if room >= max_prompt_tokens else trim_history(
+                msgs, tok, max_prompt_tokens=max_prompt_tokens - room, keep_last_turns=keep_last_turns,
+                add_generation_prompt=add_generation_prompt)
+        except ContextLengthExceededError:
+            reserved = None
+        if reserved is None:
+            out.summary_status, out.summary_source = "skipped", trimmed.dropped
+            out.summary_reason = (f"the summary ({room} tokens with its message) does not fit max_prompt_tokens="
+                                  f"{max_prompt_tokens} beside the system messages and the latest user turn")
+            return trimmed, None
+    out.summary_source = reserved.dropped
+    out.summary_messages = [msgs[i] for i in reserved.dropped]
+    if summary is None:
+        out.summary_status = "pending"
+        return trimmed, None
+    candidate = with_summary(reserved.messages, summary)
+    if max_prompt_tokens is not None:
+        num = count_tokens(tok, candidate, add_generation_prompt)
+        if num > max_prompt_tokens:
+            out.summary_status = "skipped"
+            out.summary_reason = f"the prompt with the summary has {num} tokens, over max_prompt_tokens=" \
+                                 f"{max_prompt_tokens}"
+            return trimmed, None
+    out.summary_status = "applied"
+    return reserved, candidate

@@ -8,8 +8,9 @@ from typing import Any
 
 from leanserve.config import EngineConfig
 from leanserve.context.chat import PreparedChat, prepare_chat
+from leanserve.context.summary import SummaryCache, summary_key, summary_prompt
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded, device=device)
         self._ids = itertools.count()
         self.last_chat_context: list[PreparedChat] = []
+        self._summaries = SummaryCache()
 
     def get_tokenizer(self):
         """The model's :class:`leanserve.tokenizer.Tokenizer`."""
@@ -72,7 +74,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, *,
              documents: Sequence[dict[str, str]] | None = None, max_context_tokens: int | None = None,
              top_k_documents: int | None = None, reorder_documents: bool = True,
-             max_prompt_tokens: int | None = None, keep_last_turns: int | None = None) -> list[RequestOutput]:
+             max_prompt_tokens: int | None = None, keep_last_turns: int | None = None,
+             history_summary_tokens: int | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them, applying the
         model's chat template.
 
@@ -80,9 +83,12 @@ class LLM:
         "text"}]``, de-duplicated, ranked by BM25 against the last user message, kept under
         ``max_context_tokens`` / ``top_k_documents``, reordered unless ``reorder_documents`` is False), then
         ``max_prompt_tokens`` / ``keep_last_turns`` (the oldest turns dropped; system messages and the latest user
-        turn stay); ``truncate_prompt_tokens`` is a field of ``SamplingParams``. What they did, per conversation,
-        is in :attr:`last_chat_context` (:class:`~leanserve.context.PreparedChat`: dropped message indexes,
-        passage ids used / dropped / duplicates, prompt tokens as sent).
+        turn stay), with ``history_summary_tokens=N`` the dropped turns replaced by a summary of at most N tokens
+        that this model writes (greedy; once per dropped prefix, then reused from an LRU on this object);
+        ``truncate_prompt_tokens`` is a field of ``SamplingParams``. What they did, per conversation, is in
+        :attr:`last_chat_context` (:class:`~leanserve.context.PreparedChat`: dropped message indexes, passage ids
+        used / dropped / duplicates, prompt tokens as sent, ``summary_status`` (computed / reused / skipped /
+        failed, as the server's ``usage.leanserve.history_summary``) / ``summary_source``).
 
         Raises:
             InvalidParameterError: a bad option or conversation; ContextLengthExceededError: a conversation that
@@ -91,12 +97,44 @@ class LLM:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.engine.tokenizer
-        prepared = [prepare_chat(list(conv), tok, documents=documents, max_context_tokens=max_context_tokens,
-                                 top_k_documents=top_k_documents, reorder_documents=reorder_documents,
-                                 max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
-                                 add_generation_prompt=add_generation_prompt) for conv in messages]
+
+        def prepare(conv: Sequence[Message], summary: str | None = None) -> PreparedChat:
+            return prepare_chat(list(conv), tok, documents=documents, max_context_tokens=max_context_tokens,
+                                top_k_documents=top_k_documents, reorder_documents=reorder_documents,
+                                max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
+                                add_generation_prompt=add_generation_prompt,
+                                history_summary_tokens=history_summary_tokens, summary=summary)
+
+        prepared = [prepare(conv) for conv in messages]
+        for i, p in enumerate(prepared):
+            if p.summary_status == "pending":
+                prepared[i] = self._with_summary(messages[i], p, history_summary_tokens, prepare)
         self.last_chat_context = prepared
         return self._run([p.prompt_token_ids for p in prepared], sampling_params, use_tqdm)
+
+    def _with_summary(self, conv: Sequence[Message], pending: PreparedChat, n: int, prepare: Any) -> PreparedChat:
+        """``conv`` prepared again with the summary of its dropped messages (computed greedily, or reused)."""
+        key = summary_key(self.engine.config.model or "", n, pending.summary_messages)
+        text = self._summaries.get(key)
+        reused = text is not None
+        if text is None:
+            try:  # a summary that cannot run (N beyond the context, ...) falls back to plain dropping
+                ids = summary_prompt(pending.summary_messages, self.engine.tokenizer,
+                                     max(1, self.engine.max_model_len - n))
+                out = self._run([ids], SamplingParams(temperature=0.0, max_tokens=n), False)[0]
+                text = out.outputs[0].text.strip()
+            except LeanserveError as exc:
+                text, error = "", f"{type(exc).__name__}: {exc}"
+            else:
+                error = "the model returned an empty summary"
+            if not text:
+                pending.summary_status, pending.summary_reason = "failed", error
+                return pending
+            self._summaries.put(key, text)
+        prepared = prepare(conv, text)
+        if prepared.summary_status == "applied":  # as the server reports it
+            prepared.summary_status = "reused" if reused else "computed"
+        return prepared
 
     @staticmethod
     def _prompt_of(p: PromptType) -> str | list[int]:

@@ -89,21 +89,46 @@ def pick(samples: dict[str, float], sample_names: tuple[str, ...]) -> float | No
     return next((samples[n] for n in sample_names if n in samples), None)
 
 
-def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+def histogram_quantile(buckets: list[tuple[float, float]], q: float, mean: float | None = None) -> float | None:
     """The ``q`` quantile (0..1) of cumulative ``[(le, count)]`` buckets, interpolated linearly inside the bucket
-    that holds it (lower bound 0 for the first); the largest finite bound when it falls in the ``+Inf`` bucket.
-    None when the histogram is empty."""
+    that holds it (lower bound 0 for the first), as PromQL's ``histogram_quantile``; the largest finite bound when
+    it falls in the ``+Inf`` bucket. None when the histogram is empty.
+
+    With the observations' ``mean`` (sum / count), the estimate is kept within what the data allow: the
+    observations lie in ``[lo, hi]`` (the lower bound of the first non-empty bucket, the upper bound of the last;
+    ``hi`` infinite when ``+Inf`` holds some), narrowed by the sum (no one of ``n`` observations exceeds
+    ``lo + n (mean - lo)``, none is under ``hi - n (hi - mean)``); since at least a ``1 - q`` share of them is >=
+    the quantile and a ``q`` share <= it, ``hi - (hi - mean) / q <= quantile <= lo + (mean - lo) / (1 - q)``.
+    Without this a coarse first bucket (all requests under its bound) puts the median at half the bound, possibly
+    far above the mean.
+    """
     if not buckets or buckets[-1][1] <= 0:
         return None
-    rank = q * buckets[-1][1]
+    total = buckets[-1][1]
+    rank = q * total
+    estimate = None
     prev_le, prev_count = 0.0, 0.0
     for le, count in buckets:
         if count >= rank and count > prev_count:
-            if math.isinf(le):
-                return prev_le
-            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+            estimate = prev_le if math.isinf(le) else prev_le + (le - prev_le) * (rank - prev_count) / (
+                count - prev_count)
+            break
         prev_le, prev_count = (prev_le if math.isinf(le) else le), count
-    return prev_le
+    if estimate is None:
+        estimate = prev_le
+    if mean is None:
+        return estimate
+    if total == 1:
+        return mean
+    lows = [0.0] + [le for le, _ in buckets]
+    lo = next(lows[i] for i, (_, c) in enumerate(buckets) if c > 0)
+    hi = next(le for le, c in buckets if c >= total)
+    hi = min(hi, lo + total * (mean - lo))  # no observation exceeds the sum less the others' least
+    if not math.isinf(hi):
+        lo = max(lo, hi - total * (hi - mean))
+    upper = lo + (mean - lo) / (1.0 - q) if q < 1.0 else hi
+    lower = hi - (hi - mean) / q if q > 0.0 and not math.isinf(hi) else lo
+    return min(max(estimate, lower, lo), upper, hi)
 
 
 @dataclass
@@ -207,7 +232,7 @@ class _Delta:
             return Dist(None, None, None, 0, exact=False)
 
         def q(p: float) -> float | None:
-            v = histogram_quantile(buckets or [], p)
+            v = histogram_quantile(buckets or [], p, total / count)
             return None if v is None else v * scale
         return Dist(total / count * scale, q(0.5), q(0.99), int(round(count)), exact=False)
 

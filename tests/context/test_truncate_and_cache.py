@@ -116,3 +116,34 @@ def test_llm_chat_takes_the_context_options(llm):
     expected = prepare_chat(conv, llm.get_tokenizer(), documents=docs, top_k_documents=1, keep_last_turns=1)
     assert out[0].prompt_token_ids == expected.prompt_token_ids
     assert ctx.prompt_tokens_sent > len(out[0].prompt_token_ids)
+
+
+def test_llm_chat_summarizes_the_dropped_turns_once(llm, monkeypatch):
+    from leanserve.context import prepare_chat
+    from leanserve.context.summary import summary_prompt
+
+    conv = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "My name is Ada and I live in Lisbon."},
+            {"role": "assistant", "content": "Nice to meet you, Ada!"},
+            {"role": "user", "content": "Where do I live?"}]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    runs = []
+    run = llm._run
+    monkeypatch.setattr(llm, "_run", lambda prompts, *a: runs.append(prompts) or run(prompts, *a))
+    out = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
+    (ctx,) = llm.last_chat_context
+    assert (ctx.summary_status, ctx.summary_source, ctx.dropped_messages) == ("computed", [1, 2], [1, 2])
+    assert len(runs) == 2  # the summary, then the chat
+    ids = summary_prompt(conv[1:3], llm.get_tokenizer(), 10_000)
+    text = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    expected = prepare_chat(conv, llm.get_tokenizer(), keep_last_turns=1, history_summary_tokens=8,
+                            summary=text.strip())
+    assert out[0].prompt_token_ids == expected.prompt_token_ids
+    runs.clear()
+    again = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=8)
+    assert len(runs) == 1 and llm.last_chat_context[0].summary_status == "reused"  # only the chat ran
+    assert again[0].prompt_token_ids == expected.prompt_token_ids
+    failed = llm.chat(conv, params, keep_last_turns=1, history_summary_tokens=100_000)  # cannot run: plain
+    assert llm.last_chat_context[0].summary_status == "failed"
+    assert "ContextLengthExceededError" in llm.last_chat_context[0].summary_reason
+    assert failed[0].prompt_token_ids == prepare_chat(conv, llm.get_tokenizer(), keep_last_turns=1).prompt_token_ids

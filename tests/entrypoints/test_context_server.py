@@ -89,6 +89,19 @@ def test_bad_values_are_400s(client, body, message):
     assert client.post(CHAT, json={"messages": msgs, "max_tokens": 1, "cache": False}).status_code == 200
 
 
+@pytest.mark.parametrize("body", [{"documents": [{"id": "a", "text": "Lima is the capital of Peru."}]},
+                                  {"documents": []}, {"max_context_tokens": 100}, {"top_k_documents": 2},
+                                  {"max_prompt_tokens": 100}, {"keep_last_turns": 1}, {"history_summary_tokens": 8}])
+def test_chat_only_context_fields_on_completions_are_400s_naming_the_field(client, body):
+    r = client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, **body})
+    field = next(iter(body))
+    err = _bad(r, field)
+    assert err["message"] == f"{field}: Value error, {field} is only supported on /v1/chat/completions (it needs " \
+        "messages); on /v1/completions put passages in the prompt and use truncate_prompt_tokens"
+    assert client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, "cache": False,
+                                          **{field: None}}).status_code == 200  # null is the default: accepted
+
+
 # --------------------------------------------------------------------------------------------------- history
 def conversation(turns: int, extra: int = 0) -> list[dict]:
     conv = [{"role": "system", "content": "You are a patient travel agent. Answer in one short sentence."}]
@@ -127,6 +140,77 @@ def test_keep_last_turns(client):
     r = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2, "cache": False}))
     # turns [1, 2], [3, 4], [5, 6], [7, 8] before the latest user turn (9): the last of them stays
     assert r["usage"]["leanserve"]["dropped_messages"] == list(range(1, 7))
+
+
+# -------------------------------------------------------------------------------------- summary of dropped turns
+def _summary_reference(client, dropped_msgs: list[dict], n: int) -> str:
+    """The summary computed independently: the same summarization chat, tokenized and completed greedily over
+    /v1/completions."""
+    from leanserve.context.summary import summary_request_messages
+
+    ids = _ok(client.post("/tokenize", json={"messages": summary_request_messages(dropped_msgs)}))["tokens"]
+    out = _ok(client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": n, "temperature": 0, "cache": False}))
+    return out["choices"][0]["text"].strip()
+
+
+def test_dropped_turns_are_summarized_once_then_reused_and_the_prefix_cache_hits(server, client):
+    from leanserve.context.summary import summary_message
+
+    conv = conversation(40)
+    body = {"messages": conv, "max_tokens": 4, "temperature": 0, "max_prompt_tokens": 1024, "cache": False,
+            "history_summary_tokens": 32}
+    before = server.metrics()
+    first = _ok(client.post(CHAT, json=body))
+    after = server.metrics()
+    rep = first["usage"]["leanserve"]
+    dropped, summ = rep["dropped_messages"], rep["history_summary"]
+    assert summ["status"] == "computed" and summ["role"] == "system" and summ["replaces"] == dropped
+    assert dropped == list(range(1, len(dropped) + 1)) and len(dropped) % 2 == 0
+    assert summ["prompt_tokens"] > 0 and 1 <= summ["completion_tokens"] <= 32
+    assert first["usage"]["prompt_tokens"] <= 1024
+    # the internal request is no client request, but its tokens were computed
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == \
+        first["usage"]["completion_tokens"] + summ["completion_tokens"]
+    # what the model saw: the system prompt, the summary message, the kept turns (checked against a reference)
+    text = _summary_reference(client, conv[1:len(dropped) + 1], 32)
+    kept = [conv[0], summary_message(text)] + conv[len(dropped) + 1:]
+    assert _ok(client.post("/tokenize", json={"messages": kept}))["count"] == first["usage"]["prompt_tokens"]
+
+    nxt = conv + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "Thanks! And what about the food there?"}]
+    before = server.metrics()
+    second = _ok(client.post(CHAT, json={**body, "messages": nxt}))
+    after = server.metrics()
+    rep2 = second["usage"]["leanserve"]
+    assert rep2["dropped_messages"] == dropped  # the same cut, the same summary: a byte-stable prefix
+    assert rep2["history_summary"] == {**summ, "status": "reused", "prompt_tokens": 0, "completion_tokens": 0}
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == \
+        second["usage"]["completion_tokens"]  # no second internal request
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
+
+
+def test_summary_that_cannot_fit_or_fails_falls_back_to_plain_dropping(client):
+    conv = conversation(8)
+    plain = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2, "cache": False}))
+    # a summary budget beyond the model's context: its request cannot be admitted; the client's still answers
+    failed = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2, "cache": False,
+                                         "history_summary_tokens": 2040}))
+    rep = failed["usage"]["leanserve"]
+    assert rep["history_summary"]["status"] == "failed" and rep["history_summary"]["reason"]
+    assert rep["history_summary"]["replaces"] == rep["dropped_messages"] == plain["usage"]["leanserve"][
+        "dropped_messages"]
+    assert failed["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    # room for the summary (1000 tokens) would leave less than the system prompt and the question: skipped
+    skipped = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "max_prompt_tokens": 200,
+                                          "cache": False, "history_summary_tokens": 1000}))
+    rep = skipped["usage"]["leanserve"]
+    assert rep["history_summary"]["status"] == "skipped" and "does not fit" in rep["history_summary"]["reason"]
+    assert rep["history_summary"]["prompt_tokens"] == 0 and skipped["usage"]["prompt_tokens"] <= 200
+    off = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "max_prompt_tokens": 200,
+                                      "cache": False, "history_summary_tokens": 0}))
+    assert "history_summary" not in off["usage"]["leanserve"] or off["usage"]["leanserve"]["history_summary"] is None
+    assert off["usage"]["prompt_tokens"] == skipped["usage"]["prompt_tokens"]
 
 
 # ------------------------------------------------------------------------------------------------- passages

@@ -138,3 +138,45 @@ def test_prompt_logprobs_extension_on_both_endpoints(server, client, engine, ids
     with client.stream("POST", CHAT, json={"model": server.model, "messages": messages, "max_tokens": 2,
                                            "prompt_logprobs": 0, "stream": True}) as r:
         assert r.status_code == 200 and any(line == "data: [DONE]" for line in r.iter_lines())
+
+
+CONTROL = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"  # control tokens in a raw prompt
+
+
+def test_echo_keeps_control_tokens_and_text_offset_indexes_the_echo(server, client, engine):
+    ids = engine.get_tokenizer().encode(CONTROL)
+    assert any(engine.get_tokenizer().is_special(t) for t in ids)
+    only = post(client, COMPLETIONS, {"model": server.model, "prompt": CONTROL, "max_tokens": 0, "echo": True})
+    assert only["choices"][0]["text"] == CONTROL
+    for prompt in (CONTROL, ids):
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+                "logprobs": 1}
+        choice = post(client, COMPLETIONS, body)["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(CONTROL), choice["text"]
+        assert "".join(lp["tokens"][:len(ids)]) == CONTROL and lp["text_offset"][len(ids)] == len(CONTROL)
+        assert all(choice["text"][o:o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
+        with client.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["text"] for e in events for c in e["choices"]) == choice["text"]
+
+
+def test_prompt_logprobs_with_echo_and_logprobs_follows_vllm(server, client):
+    """vLLM's rule: the prompt's logprobs are computed with ``prompt_logprobs`` when given, else ``logprobs``; the
+    legacy ``logprobs`` of the echoed prompt show at most ``logprobs`` alternatives of those (plus the prompt's own
+    token), ``choices[].prompt_logprobs`` shows them all."""
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True}
+    more = post(client, COMPLETIONS, {**body, "logprobs": 1, "prompt_logprobs": 4})["choices"][0]
+    p = len(more["prompt_logprobs"])
+    assert all(4 <= len(e) <= 5 for e in more["prompt_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in more["logprobs"]["top_logprobs"][1:p])  # logprobs' count
+    for e, top in zip(more["prompt_logprobs"][1:], more["logprobs"]["top_logprobs"][1:p], strict=True):
+        best = max(e.values(), key=lambda x: x["logprob"])
+        assert top[best["decoded_token"]] == max(-9999.0, best["logprob"])
+    fewer = post(client, COMPLETIONS, {**body, "logprobs": 3, "prompt_logprobs": 1})["choices"][0]
+    assert all(1 <= len(e) <= 2 for e in fewer["prompt_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in fewer["logprobs"]["top_logprobs"][1:p])  # only those computed
+    assert all(3 <= len(t) <= 4 for t in fewer["logprobs"]["top_logprobs"][p:])  # the completion: logprobs'
+    plain = post(client, COMPLETIONS, {**body, "logprobs": 3})["choices"][0]  # no prompt_logprobs: logprobs'
+    assert all(3 <= len(t) <= 4 for t in plain["logprobs"]["top_logprobs"][1:])
+    assert all(3 <= len(e) <= 4 for e in plain["prompt_logprobs"][1:])

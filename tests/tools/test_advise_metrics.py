@@ -61,6 +61,31 @@ def test_histogram_quantile_interpolates_like_promql():
     assert histogram_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5) is None
 
 
+def test_histogram_quantile_stays_within_what_the_mean_allows():
+    coarse = [(0.3, 10.0), (0.5, 10.0), (math.inf, 10.0)]  # 10 requests of ~1 ms, all under the first bound
+    assert histogram_quantile(coarse, 0.5) == pytest.approx(0.15)  # PromQL's value: 150x the mean
+    # at least half the observations are >= the median and none is < 0: median <= 2 x mean; p99 <= 100 x mean
+    assert histogram_quantile(coarse, 0.5, mean=0.001) == pytest.approx(0.002)
+    assert histogram_quantile(coarse, 0.99, mean=0.001) == pytest.approx(0.01)  # no one of 10 is over their sum
+    # all near the top of (1, 2]: at least half are <= the median and none is > 2: median >= 2 - 0.01 / 0.5
+    high = [(1.0, 0.0), (2.0, 10.0), (math.inf, 10.0)]
+    assert histogram_quantile(high, 0.5) == pytest.approx(1.5)
+    assert histogram_quantile(high, 0.5, mean=1.99) == pytest.approx(1.98)
+    # a consistent histogram keeps its interpolated values; one observation is its mean
+    spread = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (math.inf, 10.0)]
+    assert histogram_quantile(spread, 0.5, mean=0.45) == pytest.approx(0.4)
+    assert histogram_quantile([(0.3, 1.0), (math.inf, 1.0)], 0.99, mean=0.004) == 0.004
+    # through a window: the advisor's p50 / p99 of a coarse histogram are not above what its mean allows
+    srv = FakeServer()
+    first = srv.scrape(0.0)
+    for _ in range(4):
+        srv.request(0.002, 0.001, 0.001, 0.02, prompt=10, output=3, hits=0)  # every TTFT in the 0.1 s bucket
+    snap = snapshot_from_window(Window(first, srv.scrape(10.0)))
+    assert snap.ttft_ms.mean == pytest.approx(2.0)
+    # median <= 2 x mean; none of 4 observations of mean 2 ms exceeds their 8 ms sum (PromQL: 50 ms, 99 ms)
+    assert snap.ttft_ms.p50 == pytest.approx(4.0) and snap.ttft_ms.p99 == pytest.approx(8.0)
+
+
 def test_window_counts_only_what_happened_in_it():
     srv = FakeServer()
     srv.request(0.3, 0.05, 0.25, 2.0, prompt=200, output=41, hits=100)  # before the window: not counted

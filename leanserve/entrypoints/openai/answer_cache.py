@@ -48,10 +48,10 @@ class ServingAnswerCache:
     """The answer cache of one served model, with its metrics in ``registry``."""
 
     def __init__(self, model_name: str, max_bytes: int, ttl: float, registry: CollectorRegistry | None = None,
-                 semantic: bool = False, threshold: float = DEFAULT_THRESHOLD) -> None:
+                 semantic: bool = False, threshold: float | None = DEFAULT_THRESHOLD) -> None:
         self.model_name = model_name
         self.cache = AnswerCache(max_bytes, ttl)
-        self.threshold = threshold
+        self.threshold = DEFAULT_THRESHOLD if threshold is None else threshold  # None: --answer-cache-similarity unset
         self.embedder = WordLlamaEmbedder() if semantic else None
         self.index = SemanticIndex() if semantic else None
         self._pending: dict[bytes, asyncio.Future] = {}  # keys being answered now -> their record (or None)

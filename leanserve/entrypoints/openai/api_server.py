@@ -348,7 +348,8 @@ def app_options(sc: ServerConfig) -> dict[str, Any]:
     """The keyword arguments of :func:`build_app` that ``sc`` sets (limits, stall timeout, context policies, the
     answer cache): one place for the single server and each Ray Serve replica."""
     return {"limits": RequestLimits(max_request_bytes=sc.max_request_bytes), "stall_timeout": sc.engine_stall_timeout,
-            "context": ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents),
+            "context": ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents,
+                                       sc.history_summary_tokens),
             "answer_cache_bytes": None if sc.answer_cache == "off" else sc.answer_cache_bytes,
             "answer_cache_ttl": sc.answer_cache_ttl, "answer_cache_semantic": sc.answer_cache == "semantic",
             "answer_cache_similarity": sc.answer_cache_similarity}

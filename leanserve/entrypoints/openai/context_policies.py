@@ -6,7 +6,9 @@ Order: passages first (``documents``: de-duplicated, ranked, kept under ``max_co
 (``max_prompt_tokens`` / ``keep_last_turns``: the budget counts the passages too, which sit in the latest user
 turn and are never dropped), then the chat template; ``truncate_prompt_tokens`` is applied at admission, to the
 rendered token ids. A request field overrides the server's default (the flag of the same name); an unset one
-takes it. A request that cannot fit after its policy is a 400, as any over-long request.
+takes it. A request that cannot fit after its policy is a 400, as any over-long request. With
+``history_summary_tokens`` the dropped turns are replaced by a summary (``history_summary.py``): ``render_chat``
+first reports it pending, the server gets the text and renders again with it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leanserve.context.chat import prepare_chat
-from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, ContextUsage, DuplicateDocument
+from leanserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ContextUsage,
+    DuplicateDocument,
+    HistorySummaryUsage,
+)
 from leanserve.entrypoints.openai.serving_common import to_openai_error
 from leanserve.errors import InvalidParameterError
 
@@ -25,11 +32,12 @@ from fastapi import Request
 @dataclass(frozen=True)
 class ContextSettings:
     """Server-wide defaults of the policies (``--max-prompt-tokens``, ``--max-context-tokens``,
-    ``--top-k-documents``); None: off unless a request sets it."""
+    ``--top-k-documents``, ``--history-summary-tokens``); None: off unless a request sets it."""
 
     max_prompt_tokens: int | None = None
     max_context_tokens: int | None = None
     top_k_documents: int | None = None
+    history_summary_tokens: int | None = None
 
 
 def settings_of(raw_request: Request) -> ContextSettings:
@@ -48,6 +56,12 @@ class RequestContext:
     documents_dropped: list[str] | None = None
     documents_duplicates: dict[str, str] = field(default_factory=dict)
     cache: str | None = None
+    summary_status: str | None = None  # prepare_chat's, then computed / reused / failed (history_summary.py)
+    summary_source: list[int] | None = None
+    summary_messages: list[dict[str, Any]] | None = None
+    summary_reason: str | None = None
+    summary_prompt_tokens: int = 0
+    summary_completion_tokens: int = 0
 
     def admitted(self, num_rendered: int, num_admitted: int, truncate: int | None) -> None:
         """Record what admission's ``truncate_prompt_tokens`` cut from the rendered prompt."""
@@ -66,17 +80,26 @@ class RequestContext:
             prompt_tokens_computed=0 if self.cache == "hit" else prompt_tokens - cached_tokens,
             truncated_tokens=self.truncated_tokens, dropped_messages=self.dropped_messages,
             documents_used=self.documents_used, documents_dropped=self.documents_dropped,
-            documents_duplicates=dups if self.documents_used is not None else None, cache=self.cache)
+            documents_duplicates=dups if self.documents_used is not None else None, cache=self.cache,
+            history_summary=self._summary())
+
+    def _summary(self) -> HistorySummaryUsage | None:
+        if self.summary_status is None or self.summary_status == "pending":
+            return None
+        return HistorySummaryUsage(status=self.summary_status, replaces=self.summary_source or [],
+                                   prompt_tokens=self.summary_prompt_tokens,
+                                   completion_tokens=self.summary_completion_tokens, reason=self.summary_reason)
 
 
 def _pick(value: int | None, default: int | None) -> int | None:
     return value if value is not None else default
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSettings) -> tuple[list[int],
-                                                                                                 RequestContext]:
+def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSettings, summary: str | None = None
+                ) -> tuple[list[int], RequestContext]:
     """Token ids of the chat request after its passage and history policies
-    (:func:`leanserve.context.chat.prepare_chat`), and what they did.
+    (:func:`leanserve.context.chat.prepare_chat`), and what they did; ``summary``: the text of the dropped
+    turns' summary, when ``ctx.summary_status`` came back "pending".
 
     Raises:
         OpenAIError: 400 for a template error, a bad budget, or a conversation whose pinned part (system
@@ -90,15 +113,23 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSet
             top_k_documents=_pick(req.top_k_documents, settings.top_k_documents),
             reorder_documents=req.reorder_documents,
             max_prompt_tokens=_pick(req.max_prompt_tokens, settings.max_prompt_tokens),
-            keep_last_turns=req.keep_last_turns, add_generation_prompt=req.add_generation_prompt)
+            keep_last_turns=req.keep_last_turns, add_generation_prompt=req.add_generation_prompt,
+            history_summary_tokens=summary_tokens_of(req, settings), summary=summary)
     except InvalidParameterError as exc:
         raise to_openai_error(exc) from None
     ctx = RequestContext(active=prepared.active, dropped_messages=prepared.dropped_messages,
                          documents_used=prepared.documents_used, documents_dropped=prepared.documents_dropped,
-                         documents_duplicates=prepared.documents_duplicates)
+                         documents_duplicates=prepared.documents_duplicates, summary_status=prepared.summary_status,
+                         summary_source=prepared.summary_source, summary_messages=prepared.summary_messages,
+                         summary_reason=prepared.summary_reason)
     if prepared.active:
         ctx.prompt_tokens_sent = prepared.prompt_tokens_sent
     return prepared.prompt_token_ids, ctx
+
+
+def summary_tokens_of(req: ChatCompletionRequest, settings: ContextSettings) -> int | None:
+    """The request's summary budget N (its field, else the server's flag); None or 0: no summary."""
+    return _pick(req.history_summary_tokens, settings.history_summary_tokens) or None
 
 
 def question_of(req: ChatCompletionRequest) -> tuple[str, Any] | None:
@@ -108,6 +139,7 @@ def question_of(req: ChatCompletionRequest) -> tuple[str, Any] | None:
         return None
     rest = [m.to_template_dict() for m in req.messages[:-1]]
     fields = req.model_dump(include={"documents", "max_prompt_tokens", "keep_last_turns", "max_context_tokens",
-                                     "top_k_documents", "reorder_documents", "add_generation_prompt", "tools",
+                                     "top_k_documents", "history_summary_tokens", "reorder_documents",
+                                     "add_generation_prompt", "tools",
                                      "tool_choice", "parallel_tool_calls", "response_format"})
     return req.messages[-1].to_template_dict()["content"], [rest, fields]

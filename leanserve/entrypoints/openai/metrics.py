@@ -1,10 +1,12 @@
 """Prometheus metrics of one server (vLLM's names and ``model_name`` label, from :mod:`leanserve.metric_names`),
 in a registry of its own.
 
-Request-level histograms get one observation per request, when it ends (any reason); inter-token latency gets
-one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
-async engine's stats snapshot at scrape time. Process memory comes from prometheus_client's process collector;
-GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when torch sees CUDA.
+Request-level histograms get one observation per request, when it ends (any reason; the server's own internal
+requests, a history summary's, are no client's: skipped there and in ``request_success``, their tokens
+counted); inter-token latency gets one per generated token after the first. Gauges and the prefix-cache /
+preemption counters are read from the async engine's stats snapshot at scrape time. Process memory comes from
+prometheus_client's process collector; GPU memory (:data:`~leanserve.metric_names.GPU_GAUGES`) is exported when
+torch sees CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from leanserve import metric_names as names
 from leanserve.engine.async_engine import AsyncEngineStats
 from leanserve.engine.llm_engine import EngineStats
+from leanserve.entrypoints.openai.history_summary import INTERNAL_REQUEST_PREFIX
 from leanserve.outputs import RequestOutput
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -216,6 +219,8 @@ class ServerMetrics:
         for o in out.outputs:
             self._seen.pop((out.request_id, o.index), None)
         self._prefilled.discard(out.request_id)
+        if out.request_id.startswith(INTERNAL_REQUEST_PREFIX):  # the server's own (a history summary): no client's
+            return
         reason = out.outputs[0].finish_reason or "abort"
         self._success.labels(self._model_name, reason).inc()
         s = summarize(out)

@@ -4,6 +4,13 @@
   legacy way: the echoed prompt's tokens get logprobs, the first one ``null``), computes them; ``echo`` with
   ``max_tokens: 0`` then runs the prompt through the model and returns it alone (vLLM generates one token and drops
   it; so does leanserve, and ``usage.completion_tokens`` is 0).
+* Both ``prompt_logprobs`` and ``echo`` + ``logprobs`` on ``/v1/completions``: vLLM's rule
+  (``CompletionRequest.to_sampling_params`` and ``serving_completion.py``): the prompt's logprobs are computed with
+  ``prompt_logprobs`` alternatives when it is set, else with ``logprobs``; ``choices[].prompt_logprobs`` shows all
+  of them; the echoed prompt's legacy ``logprobs.top_logprobs`` show at most ``logprobs`` of those (plus the
+  prompt's own token), so ``prompt_logprobs`` below ``logprobs`` gives the prompt part fewer alternatives than the
+  completion part. The echoed ``text`` is the prompt as sent, control tokens (``<|im_start|>``) included, and
+  ``text_offset`` indexes into it.
 * ``/v1/chat/completions``: ``prompt_logprobs: N``, returned as the response's top-level ``prompt_logprobs``.
 * ``prompt_logprobs`` above 0 with ``stream: true`` is a 400 on both endpoints (vLLM's rule); the streamed echo of
   ``echo`` + ``logprobs`` carries the prompt's logprobs in each choice's first chunk.

@@ -209,6 +209,9 @@ class ChatCompletionRequest(SamplingFields):
     # context optimization (leanserve.context): history under a budget, RAG passages
     max_prompt_tokens: int | None = Field(None, ge=1)  # drop the oldest turns to fit (system, last turn stay)
     keep_last_turns: int | None = Field(None, ge=1)  # keep the latest user turn and the N - 1 before it
+    # replace the turns dropped by max_prompt_tokens / keep_last_turns with a summary of at most N tokens written
+    # by the served model (cached per dropped prefix); 0 = off; None: the server's --history-summary-tokens
+    history_summary_tokens: int | None = Field(None, ge=0)
     documents: list[Document] | None = None  # passages; the query is the last user message
     max_context_tokens: int | None = Field(None, ge=1)  # token budget of the passages kept
     top_k_documents: int | None = Field(None, ge=1)  # most passages kept
@@ -225,6 +228,10 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
+CHAT_ONLY_FIELDS = ("documents", "max_context_tokens", "top_k_documents", "max_prompt_tokens", "keep_last_turns",
+                    "history_summary_tokens")
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -232,6 +239,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
+    # the chat request's context fields (passages, history): refused here with a 400 naming the field, not
+    # ignored: a raw prompt has no messages to trim and no chat template to place passages in
+    documents: list[Document] | None = None
+    max_context_tokens: int | None = None
+    top_k_documents: int | None = None
+    max_prompt_tokens: int | None = None
+    keep_last_turns: int | None = None
+    history_summary_tokens: int | None = None
+
+    @field_validator(*CHAT_ONLY_FIELDS, mode="before")
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is only supported on /v1/chat/completions (it needs messages); "
+                             "on /v1/completions put passages in the prompt and use truncate_prompt_tokens")
+        return value
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -269,6 +292,19 @@ class DuplicateDocument(ResponseModel):
     duplicate_of: str
 
 
+class HistorySummaryUsage(ResponseModel):
+    """The summary of the dropped turns (``history_summary_tokens``)."""
+
+    # computed: by an internal request of this one; reused: from the summary cache (or a concurrent request's
+    # computation); skipped: it would not fit max_prompt_tokens; failed: its request failed (plain dropping)
+    status: Literal["computed", "reused", "skipped", "failed"]
+    replaces: list[int]  # indexes into the request's messages that the summary stands for
+    role: str = "system"  # the summary's message, right after the leading system/developer messages
+    prompt_tokens: int = 0  # of the internal summary request this request ran (0 when reused)
+    completion_tokens: int = 0
+    reason: str | None = None  # why it was skipped or failed
+
+
 class ContextUsage(ResponseModel):
     """leanserve's report of the context policies and the answer cache (``usage.leanserve``); present when a
     policy or the answer cache applied to the request."""
@@ -280,6 +316,7 @@ class ContextUsage(ResponseModel):
     documents_used: list[str] | None = None  # passage ids, in prompt order
     documents_dropped: list[str] | None = None  # left out by top_k_documents / max_context_tokens, by rank
     documents_duplicates: list[DuplicateDocument] | None = None  # exact or near duplicates removed
+    history_summary: HistorySummaryUsage | None = None  # the dropped turns' summary (history_summary_tokens)
     cache: Literal["hit", "miss", "bypass"] | None = None  # the answer cache's verdict (None: cache off)
 
 

@@ -23,7 +23,9 @@ from leanserve.entrypoints.openai.context_policies import (
     question_of,
     render_chat,
     settings_of,
+    summary_tokens_of,
 )
+from leanserve.entrypoints.openai.history_summary import summarize_history, summarizer_of
 from leanserve.entrypoints.openai.prompt_logprobs import (
     prompt_logprobs_json,
     requested_prompt_logprobs,
@@ -88,7 +90,8 @@ class OpenAIServingChat:
         self.tokenizer = engine.tokenizer
 
     def render_prompt(self, req: ChatCompletionRequest, raw_request: Request | None = None,
-                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], RequestContext]:
+                      tools: list[dict[str, Any]] | None = None, summary: str | None = None
+                      ) -> tuple[list[int], RequestContext]:
         """Token ids of the conversation after its context policies (``context_policies.py``): chat template
         applied, encoded without adding special tokens; and what the policies did. ``tools`` (and the history's
         tool calls and results) go to a template that renders tools, else into the hermes-style fallback
@@ -97,7 +100,7 @@ class OpenAIServingChat:
         tokenizer = self.tokenizer
         if tools or any(m.role == "tool" or m.tool_calls for m in req.messages):
             tokenizer = _ToolTemplate(self.tokenizer, tools)
-        return render_chat(req, tokenizer, settings or ContextSettings())
+        return render_chat(req, tokenizer, settings or ContextSettings(), summary)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival = arrival_time(raw_request)
@@ -123,6 +126,11 @@ class OpenAIServingChat:
         num_prompt_lp = requested_prompt_logprobs(req.prompt_logprobs, req.stream)
         params = with_prompt_logprobs(params, None if req.stream else num_prompt_lp)  # a stream carries none
         prompt_ids, ctx = self.render_prompt(req, raw_request, plan.tools)
+        if ctx.summary_status == "pending":  # the dropped turns' summary (history_summary.py)
+            prompt_ids, ctx = await summarize_history(
+                summarizer_of(raw_request, self.engine, self.model_name), ctx,
+                summary_tokens_of(req, settings_of(raw_request)),
+                lambda text: self.render_prompt(req, raw_request, plan.tools, text), prompt_ids)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
         ctx.admitted(len(prompt_ids), len(admitted[0].prompt_token_ids), params.truncate_prompt_tokens)

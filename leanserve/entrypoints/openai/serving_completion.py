@@ -103,7 +103,8 @@ class OpenAIServingCompletion:
             raw_request, "completion", admitted, arrival, req.cache,
             lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)))
         created = int(time.time())
-        echo = [self.tokenizer.decode(a.prompt_token_ids) if req.echo else "" for a in admitted]
+        echo = [self._echo(p, a.prompt_token_ids, params.truncate_prompt_tokens) if req.echo else ""
+                for p, a in zip(prompts, admitted, strict=True)]
         merged = MultiStream(streams)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -132,13 +133,14 @@ class OpenAIServingCompletion:
         """``echo`` with ``max_tokens: 0``: the prompts, checked as admission checks them (each must fit the
         context) with the request's other parameters, and nothing generated; streamed when asked."""
         sampling_params(req, None, None)  # n, temperature, ... are checked as for any request
+        sent_prompts = prompts
         try:
             prompts = [self.engine.check_prompt(p) for p in prompts]
         except InvalidParameterError as exc:
             raise to_openai_error(exc) from None
         choices = []
-        for i, ids in enumerate(prompts):
-            text = self.tokenizer.decode(ids)
+        for i, (sent, ids) in enumerate(zip(sent_prompts, prompts, strict=True)):
+            text = self._echo(sent, ids, None)
             for j in range(req.n):
                 choices.append(CompletionResponseChoice(index=i * req.n + j, text=text, finish_reason="length"))
         usage = usage_of(sum(len(ids) for ids in prompts), 0, 0)
@@ -158,6 +160,14 @@ class OpenAIServingCompletion:
             return SSEResponse(body(), on_close=lambda: None)
         resp = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump(mode="json", exclude_none=False, exclude={"timings"}))
+
+    def _echo(self, prompt: str | list[int], ids: list[int], truncate: int | None) -> str:
+        """The echoed prompt: a text prompt as sent (unless truncated), else its token ids decoded with the
+        control tokens (``<|im_start|>``, ...) kept, so that it is the concatenation of the echoed tokens' texts
+        (``logprobs.tokens``) and ``text_offset`` indexes into it."""
+        if isinstance(prompt, str) and truncate is None:
+            return prompt
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int | None,
                   offset: int) -> CompletionLogprobs | None:
