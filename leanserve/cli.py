@@ -132,7 +132,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from leanserve.entrypoints.openai.models_config import load_models_config, model_specs
+
+    models = args.model or []  # --model may be repeated for serve
+    args.model = models[0] if models else None
     server = config_from_args(ServerConfig, args)
+    several = len(models) > 1 or server.models_config is not None or len(server.served_model_names) > 1
+    if several and (server.replicas > 1 or server.ray_address):
+        print("error: --replicas > 1 (Ray Serve) serves one model; several models (repeated --model or "
+              "--models-config) run in one process: use --replicas 1", file=sys.stderr)
+        return 2
     if server.replicas > 1 or server.ray_address:
         try:  # the optional extra: pip install 'leanserve[ray]'
             from leanserve.entrypoints.ray_serve.app import run_fleet
@@ -140,7 +149,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: --replicas > 1 needs Ray Serve (pip install 'leanserve[ray]'): {exc}", file=sys.stderr)
             return 2
         return run_fleet(engine_config(args), server)
-    return run_server(engine_config(args), server)
+    if not several:
+        return run_server(engine_config(args), server)
+    entries = None if server.models_config is None else load_models_config(server.models_config)
+    specs = model_specs(engine_config(args), models, server.served_model_names, entries)
+    return run_server(specs[0].engine, server, specs)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -186,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.7 if p is chat else 0.0)
         p.add_argument("--seed", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=1.0)
-    for p in (serve, demo, gen, chat):
+    add_config_args(serve.add_argument_group("engine (with several models: every model's defaults)"), EngineConfig,
+                    repeat=("model",))
+    for p in (demo, gen, chat):
         add_engine_args(p)
     from leanserve.bench.command import add_bench_args
 
