@@ -195,3 +195,32 @@ def test_plan_sizes_a_set_of_models(capsys):
     fp32 = set_fit_plan({"llama": llama, "smol": small}, "fp32", "fp32", 24 * 10**9, 4096)
     assert not fp32.fits and fp32.max_concurrent_seqs == 0  # 27 GB of fp32 weights alone
     assert main(["plan", "--model", smol, "--model", smol]) == 2  # one file twice needs names
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.dead, self.draining, self.num_in_flight, self.calls = None, False, 0, []
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        self.calls.append("drain")
+
+    def begin_shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def test_the_lifecycle_covers_every_engine():
+    """What the gate and LeanserveServer ask of the engine, ServedModels answers for all: a drain drains each, the
+    in-flight count sums, and any dead engine is the server's failure (exit 1)."""
+    models = ServedModels()
+    engines = [_Engine(), _Engine()]
+    for name, e in zip("ab", engines, strict=True):
+        models.add(ServedModel(name, e, None, None, None))  # type: ignore[arg-type]
+    engines[0].num_in_flight, engines[1].num_in_flight = 2, 3
+    assert models.num_in_flight == 5 and models.dead is None and not models.draining
+    models.begin_drain()
+    assert models.draining and [e.calls for e in engines] == [["drain"], ["drain"]]
+    engines[1].dead = RuntimeError("boom")
+    assert models.dead is engines[1].dead
+    models.begin_shutdown()
+    assert all(e.calls[-1] == "shutdown" for e in engines)
