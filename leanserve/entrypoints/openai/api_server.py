@@ -160,8 +160,8 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
     app.add_middleware(InternalErrorGuard)
     app.add_middleware(ServerGate, engine=models if len(models) > 1 else engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
-    openapi.install(app, served_model_name, limits, max(getattr(m.engine.tokenizer, "vocab_size", 0) or 0
-                                                        for m in models) or None)
+    vocab = max(getattr(m.engine.tokenizer, "vocab_size", 0) or 0 for m in models) or None
+    openapi.install(app, served_model_name if len(models) == 1 else models.names, limits, vocab)
 
     def served(request_model: str | None, raw_request: Request, body: Any = None) -> ServedModel:
         """The request's model (404 envelope when unknown); its answer cache goes in ``request.state``."""

@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (vLLM's names and ``model_name`` label, from :mod:`leanserve.metric_names`),
-in a registry of its own.
+in a registry of its own; with several models each metric family is registered once in that registry and every
+model adds its own ``model_name`` series (:class:`ServerMetrics` with a shared ``registry``).
 
 Request-level histograms get one observation per request, when it ends (any reason); inter-token latency gets
 one per generated token after the first. Gauges and the prefix-cache / preemption counters are read from the
