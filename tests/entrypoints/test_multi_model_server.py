@@ -1,7 +1,8 @@
 """Two models in one ``leanserve serve`` (one module-scoped server; ``--models-config``): the default file as
 ``smol`` (Q4_1 kernels, context 512) and again as ``smol-fp32`` (``quantization: none``, context 256, 4 sequences),
-so that /v1/models, /tokenize and the metrics tell them apart (and the exact answer cache on, per model). Both answer through the OpenAI SDK, streaming and
-not; an unknown model is OpenAI's 404 and loses nothing; a client disconnect frees that model's blocks only."""
+so that /v1/models, /tokenize and the metrics tell them apart; the exact answer cache is on (one per model). Both
+answer through the OpenAI SDK, streaming and not; an unknown model is OpenAI's 404 and loses nothing; a client
+disconnect frees that model's blocks only; SIGTERM drains both."""
 
 from __future__ import annotations
 
