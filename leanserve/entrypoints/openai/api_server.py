@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (:func:`build_app`) and runner (:func:`run_server`).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /metrics``. Every error is an OpenAI error envelope
-``{"error": {"message", "type", "param", "code"}}`` (never HTML); with API keys (tenants), every endpoint but
-``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``. Several models (one engine each) are
+served by name: ``served_models.ServedModels`` resolves each request's ``"model"``. Every error is an OpenAI error
+envelope ``{"error": {"message", "type", "param", "code"}}`` (never HTML); with API keys (tenants), every endpoint
+but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
 
 Hardening (see ``gate.py``, ``limits.py``, ``tenants.py``, ``openapi.py``): bodies are bounded in size, nesting
 and list lengths; tenants have their own keys and limits; ``/health`` fails while the engine loop is stalled or
