@@ -110,17 +110,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from leanserve.entrypoints.openai.models_config import default_served_model_name
     from leanserve.loader import default_model_path
     from leanserve.tools.plan import config_from_path, format_report, parse_bytes, plan_report
 
-    config = config_from_path(args.model or default_model_path())
     try:
         memory = None if args.memory is None else parse_bytes(args.memory)
         reserve = parse_bytes(args.reserve)
     except ValueError as exc:
         print(f"error: bad memory size: {exc}", file=sys.stderr)
         return 2
-    report = plan_report(config, memory, args.max_model_len, reserve)
+    paths = args.model or [default_model_path()]
+    if len(paths) > 1:  # several models in one server: each model, and the set against --memory
+        from leanserve.tools.plan import format_set_report, set_plan_report
+
+        names = args.served_model_name or [default_served_model_name(p) for p in paths]
+        if len(names) != len(paths) or len(set(names)) != len(names):
+            print("error: --served-model-name: give one distinct name per --model (the same file twice needs "
+                  "names)", file=sys.stderr)
+            return 2
+        report = set_plan_report({n: config_from_path(p) for n, p in zip(names, paths, strict=True)}, memory,
+                                 args.max_model_len, reserve)
+        print(json.dumps(report, indent=2) if args.json else format_set_report(report))
+        return 0
+    report = plan_report(config_from_path(paths[0]), memory, args.max_model_len, reserve)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -132,7 +145,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from leanserve.entrypoints.openai.models_config import load_models_config, model_specs
+
+    models = args.model or []  # --model may be repeated for serve
+    args.model = models[0] if models else None
     server = config_from_args(ServerConfig, args)
+    several = len(models) > 1 or server.models_config is not None or len(server.served_model_names) > 1
+    if several and (server.replicas > 1 or server.ray_address):
+        print("error: --replicas > 1 (Ray Serve) serves one model; several models (repeated --model or "
+              "--models-config) run in one process: use --replicas 1", file=sys.stderr)
+        return 2
     if server.replicas > 1 or server.ray_address:
         try:  # the optional extra: pip install 'leanserve[ray]'
             from leanserve.entrypoints.ray_serve.app import run_fleet
@@ -140,7 +162,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: --replicas > 1 needs Ray Serve (pip install 'leanserve[ray]'): {exc}", file=sys.stderr)
             return 2
         return run_fleet(engine_config(args), server)
-    return run_server(engine_config(args), server)
+    if not several:
+        return run_server(engine_config(args), server)
+    entries = None if server.models_config is None else load_models_config(server.models_config)
+    specs = model_specs(engine_config(args), models, server.served_model_names, entries)
+    return run_server(specs[0].engine, server, specs)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -186,13 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.7 if p is chat else 0.0)
         p.add_argument("--seed", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=1.0)
-    for p in (serve, demo, gen, chat):
+    add_config_args(serve.add_argument_group("engine (with several models: every model's defaults)"), EngineConfig,
+                    repeat=("model",))
+    for p in (demo, gen, chat):
         add_engine_args(p)
     from leanserve.bench.command import add_bench_args
 
     add_bench_args(sub.add_parser("bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, goodput...)"))
     plan = sub.add_parser("plan", help="weight memory per precision, KV bytes per token, and what fits in a device")
-    plan.add_argument("--model", default=None, help="GGUF file, HF folder or config.json (default: SmolLM2-135M)")
+    plan.add_argument("--model", default=None, action="append",
+                      help="GGUF file, HF folder or config.json (default: SmolLM2-135M); repeat it to size several "
+                      "models served together")
+    plan.add_argument("--served-model-name", default=None, action="append", metavar="NAME",
+                      help="with --model repeated: each model's name, in the same order (default: the file names)")
     plan.add_argument("--memory", default=None, help="device memory, e.g. 24GB or 16GiB: adds the fit table")
     plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--reserve", default="0", help="memory kept free for activations/runtime, e.g. 1GB")

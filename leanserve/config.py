@@ -306,8 +306,16 @@ class ServerConfig:
     engine_stall_timeout: float = option(
         10.0, "/health fails when the engine loop has not advanced for this many seconds while it has work",
         type=float, metavar="SECONDS")
-    served_model_name: str | None = option(None, "model name of the API (default: the model file's name)",
-                                           metavar="NAME")
+    served_model_name: str | list[str] | None = option(
+        None, "model name of the API (default: the model file's name); with --model repeated, repeat it in the "
+        "same order", metavar="NAME", repeat=True)
+    models_config: str | None = option(
+        None, "serve several models: a JSON list of objects of engine options (EngineConfig field names, e.g. "
+        "model, quantization, kv_cache_memory, max_num_seqs) plus served_model_name; the command line's engine "
+        "flags are every model's defaults", metavar="PATH")
+    serialize_model_steps: bool = option(
+        True, "with several models, let their engine steps run at the same time (default: one step at a time, "
+        "first come first served, each with every thread)", flag="--no-serialize-model-steps")
     max_waiting: int = option(1024, "most sequences waiting to be scheduled; beyond it requests get 503 + "
                               "Retry-After", type=int)
     log_level: str = option("info", "log level of the server", choices=LOG_LEVELS)
@@ -338,6 +346,11 @@ class ServerConfig:
                                  choices=REPLICA_ROUTERS)
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, list | tuple):  # repeated --served-model-name; one stays a str
+            names = list(self.served_model_name)
+            if any(not isinstance(n, str) or not n.strip() for n in names):
+                raise InvalidParameterError("served_model_name", "served_model_name must be a non-empty string")
+            self.served_model_name = names[0] if len(names) == 1 else names
         for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
             _check_int(name, getattr(self, name), 1, optional=True)
         _check_int("history_summary_tokens", self.history_summary_tokens, 0, optional=True)
@@ -368,6 +381,13 @@ class ServerConfig:
         _check_seconds("shutdown_timeout", self.shutdown_timeout, positive=False)
         _check_seconds("request_timeout", self.request_timeout, positive=True, optional=True)
         _check_seconds("engine_stall_timeout", self.engine_stall_timeout, positive=True)
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The names given with ``--served-model-name`` (none, one or several), in order."""
+        if self.served_model_name is None:
+            return []
+        return [self.served_model_name] if isinstance(self.served_model_name, str) else list(self.served_model_name)
 
     @property
     def api_keys(self) -> list[str]:
@@ -401,9 +421,11 @@ def flag_of(cls: type, name: str) -> str | None:
     return None
 
 
-def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    repeat: tuple[str, ...] = ()) -> None:
     """Add one flag per field of the config dataclass ``cls`` (``--field-name`` unless the field says otherwise),
-    with the field's default (shown in the help), type, choices and help."""
+    with the field's default (shown in the help), type, choices and help. The fields named in ``repeat`` may be
+    given several times (their value is then the list, None when absent), e.g. ``--model`` of ``serve``."""
     for f in fields(cls):
         meta = f.metadata
         if not meta.get("cli", False):
@@ -418,7 +440,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if isinstance(default, bool):
             kwargs["action"] = "store_false" if default else "store_true"
         else:
-            if meta.get("repeat"):
+            if meta.get("repeat") or f.name in repeat:
                 kwargs["action"] = "append"
             if meta["type"] is not None:
                 kwargs["type"] = meta["type"]

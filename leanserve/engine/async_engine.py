@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -117,10 +118,12 @@ class AsyncEngine:
         max_waiting: most sequences waiting to be scheduled (None: unbounded).
         request_timeout: seconds a request may run from its arrival before it is aborted with
             :class:`RequestTimeoutError` (None: no limit).
+        step_lock: held around each ``engine.step()`` (a context manager; several models in one server share one
+            :class:`~leanserve.engine.step_lock.StepLock`); None: no lock.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, step_lock: AbstractContextManager | None = None) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if request_timeout is not None and not request_timeout > 0:
@@ -128,6 +131,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
+        self.step_lock = step_lock if step_lock is not None else nullcontext()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._cond = threading.Condition()
@@ -310,7 +314,8 @@ class AsyncEngine:
                 has_work = engine.has_unfinished_requests()
                 if has_work:
                     try:
-                        outputs = engine.step()
+                        with self.step_lock:
+                            outputs = engine.step()
                         self._failures_in_a_row = 0
                     except Exception as exc:
                         outputs = self._isolate_step_failure(exc)

@@ -135,6 +135,75 @@ def plan_report(config: ModelConfig, device_bytes: int | None, max_model_len: in
     return report
 
 
+@dataclass
+class SetFitPlan:
+    """Several models in one server, every one at ``precision`` with ``kv_dtype``, in ``device_bytes``: the KV
+    memory left after all their weights (and the reserve) split so each model holds the same number of full-length
+    sequences (its share proportional to ``max_model_len x KV bytes per token``)."""
+
+    precision: str
+    kv_dtype: str
+    weights_bytes: int  # all the models' weights
+    kv_pool_bytes: int  # device memory - weights - reserve (0 when negative)
+    kv_cache_memory: dict[str, int]  # model -> its share of the pool (bytes): its --kv-cache-memory
+    fits: bool  # every model holds at least one full-length sequence
+    max_concurrent_seqs: int  # full-length sequences of every model at once
+
+
+def set_fit_plan(models: dict[str, ModelConfig], precision: str, kv_dtype: str, device_bytes: int,
+                 max_model_len: int | None = None, reserve_bytes: int = 0) -> SetFitPlan:
+    """The :class:`SetFitPlan` of ``models`` (served name -> architecture) in ``device_bytes``.
+
+    Args:
+        precision, kv_dtype: as :func:`fit_plan`, for every model. max_model_len: tokens per sequence of every
+            model (default: each model's own context).
+    """
+    weights = sum(weight_plan(c, precision).total_bytes for c in models.values())
+    kv_name, model_dtype = KV_DTYPES[kv_dtype]
+    pool = max(0, device_bytes - weights - reserve_bytes)
+    seq_bytes = {n: (max_model_len or c.max_position_embeddings) * kv_bytes_per_token(c, kv_name, model_dtype)
+                 for n, c in models.items()}
+    total = sum(seq_bytes.values())
+    seqs = pool // total if total else 0
+    shares = {n: pool * b // total for n, b in seq_bytes.items()} if total else {n: 0 for n in models}
+    return SetFitPlan(precision, kv_dtype, weights, pool, shares, seqs >= 1, seqs)
+
+
+def set_plan_report(models: dict[str, ModelConfig], device_bytes: int | None, max_model_len: int | None = None,
+                    reserve_bytes: int = 0) -> dict:
+    """``leanserve plan --model A --model B ...``: each model's :func:`plan_report` and, with a device memory,
+    the set's fit at each (precision, KV dtype) (:func:`set_fit_plan`)."""
+    report: dict = {"models": {n: plan_report(c, device_bytes, max_model_len, reserve_bytes)
+                               for n, c in models.items()}}
+    if device_bytes is not None:
+        report["device_bytes"] = device_bytes
+        report["set_fit"] = [asdict(set_fit_plan(models, p, k, device_bytes, max_model_len, reserve_bytes))
+                             for p in WEIGHT_PRECISIONS for k in KV_DTYPES]
+    return report
+
+
+def format_set_report(report: dict) -> str:
+    """The human-readable tables of :func:`set_plan_report`."""
+    gb = 1e9
+    parts = []
+    for name, r in report["models"].items():
+        single = {k: v for k, v in r.items() if k != "fit"}  # the set's table replaces each model's own fit
+        parts.append(f"== {name}\n{format_report(single)}")
+    if "set_fit" in report:
+        names = list(report["models"])
+        lines = [f"all {len(names)} models in {report['device_bytes'] / gb:.2f} GB (the KV pool split so that each "
+                 "model holds as many full-length sequences):",
+                 f"{'weights':<8}{'kv':<6}{'weights GB':>11}{'KV pool GB':>11}{'fits':>6}{'full seqs':>10}  "
+                 "--kv-cache-memory per model (GB)"]
+        for f in report["set_fit"]:
+            shares = ", ".join(f"{n} {f['kv_cache_memory'][n] / gb:.2f}" for n in names)
+            lines.append(f"{f['precision']:<8}{f['kv_dtype']:<6}{f['weights_bytes'] / gb:>11.2f}"
+                         f"{f['kv_pool_bytes'] / gb:>11.2f}{'yes' if f['fits'] else 'no':>6}"
+                         f"{f['max_concurrent_seqs']:>10,}  {shares}")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def parse_bytes(text: str) -> int:
     """"24GB" / "24GiB" / "512MB" / "1e9" -> bytes (GB = 1e9, GiB = 2**30).
 

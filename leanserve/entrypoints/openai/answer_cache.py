@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import pickle
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +56,7 @@ class ServingAnswerCache:
         self.embedder = WordLlamaEmbedder() if semantic else None
         self.index = SemanticIndex() if semantic else None
         self._pending: dict[bytes, asyncio.Future] = {}  # keys being answered now -> their record (or None)
-        self.queries = Counter(names.ANSWER_CACHE_QUERIES, "Deterministic requests looked up in the answer cache.",
-                               [names.MODEL_NAME_LABEL], registry=registry)
-        self.hits = Counter(names.ANSWER_CACHE_HITS, "Requests answered from the answer cache, by kind.",
-                            [names.MODEL_NAME_LABEL, names.CACHE_KIND_LABEL], registry=registry)
+        self.queries, self.hits = _counters(registry)
         self.queries.labels(model_name)
         for k in ("exact", "semantic"):
             self.hits.labels(model_name, k)
@@ -141,11 +139,33 @@ class SemanticQuery:
     signature: Any  # guard_signature of the question
 
 
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]] = weakref.WeakKeyDictionary()
+
+
+def _counters(registry: CollectorRegistry | None) -> tuple[Counter, Counter]:
+    """The (queries, hits) counters in ``registry``, registered once per registry (the answer caches of several
+    models in one server share them, each with its ``model_name`` series)."""
+    if registry is not None and registry in _COUNTERS:
+        return _COUNTERS[registry]
+    counters = (Counter(names.ANSWER_CACHE_QUERIES, "Deterministic requests looked up in the answer cache.",
+                        [names.MODEL_NAME_LABEL], registry=registry),
+                Counter(names.ANSWER_CACHE_HITS, "Requests answered from the answer cache, by kind.",
+                        [names.MODEL_NAME_LABEL, names.CACHE_KIND_LABEL], registry=registry))
+    if registry is not None:
+        _COUNTERS[registry] = counters
+    return counters
+
+
 def _params(admitted: AdmittedRequest) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(admitted.params).items() if k != "speculative"}
 
 
 def answer_cache_of(raw_request: Request) -> ServingAnswerCache | None:
+    """The answer cache of the request's model: ``request.state.answer_cache`` when the route set it (several
+    models: each has its own), else the app's."""
+    state = raw_request.scope.get("state") or {}
+    if "answer_cache" in state:
+        return state["answer_cache"]
     return getattr(raw_request.app.state, "answer_cache", None)
 
 

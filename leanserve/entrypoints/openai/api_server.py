@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (:func:`build_app`) and runner (:func:`run_server`).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /metrics``. Every error is an OpenAI error envelope
-``{"error": {"message", "type", "param", "code"}}`` (never HTML); with API keys (tenants), every endpoint but
-``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``. Several models (one engine each) are
+served by name: ``served_models.ServedModels`` resolves each request's ``"model"``. Every error is an OpenAI error
+envelope ``{"error": {"message", "type", "param", "code"}}`` (never HTML); with API keys (tenants), every endpoint
+but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``.
 
 Hardening (see ``gate.py``, ``limits.py``, ``tenants.py``, ``openapi.py``): bodies are bounded in size, nesting
 and list lengths; tenants have their own keys and limits; ``/health`` fails while the engine loop is stalled or
@@ -15,25 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shlex
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from leanserve.config import EngineConfig, ServerConfig
 from leanserve.engine.async_engine import SHUTTING_DOWN, AsyncEngine
 from leanserve.engine.llm_engine import LLMEngine
+from leanserve.engine.step_lock import StepLock
 from leanserve.entrypoints.openai import openapi
 from leanserve.entrypoints.openai.answer_cache import ServingAnswerCache
 from leanserve.entrypoints.openai.context_policies import ContextSettings
 from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, InternalErrorGuard, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
+from leanserve.entrypoints.openai.models_config import (  # noqa: F401  (default_served_model_name: re-exported)
+    ModelSpec,
+    default_served_model_name,
+    served_names,
+)
 from leanserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -49,12 +55,12 @@ from leanserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from leanserve.entrypoints.openai.served_models import ServedModel, ServedModels, model_not_found
 from leanserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from leanserve.entrypoints.openai.serving_common import (
     ARRIVAL_KEY,
     OpenAIError,
     bad_request,
-    check_model,
     parse_body,
     to_openai_error,
 )
@@ -67,7 +73,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -90,12 +96,15 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
+def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name: str | None = None,
+              api_key: str | None = None, *,
               tenants: TenantRegistry | None = None, limits: RequestLimits | None = None,
               stall_timeout: float = 10.0, context: ContextSettings | None = None,
               answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0,
               answer_cache_semantic: bool = False, answer_cache_similarity: float = 0.9) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the model name ``served_model_name``.
+    """The FastAPI app serving ``engine`` under the model name ``served_model_name``, or several models: a
+    mapping of served name -> engine (each its own engine thread and KV pool; ``served_model_name`` unused; the
+    first is the default). Requests pick theirs by ``"model"`` (:class:`ServedModels`; unknown: 404).
 
     Args:
         api_key: one key for everyone (tenant ``default``); ignored when ``tenants`` is given.
@@ -107,41 +116,63 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         answer_cache_ttl: seconds an answer stays valid in it.
         answer_cache_semantic: also match similar last user messages (at ``answer_cache_similarity``).
 
-    The app has its own metrics registry (registered as an observer of ``engine``); its lifespan shuts the
-    engine down when the server stops.
+    The app has one metrics registry (each model's series labelled ``model_name``; its metrics registered as an
+    observer of its engine); its lifespan shuts the engines down when the server stops. Gate, limits and tenants
+    are per server (the tenants' series carry the default model's name).
     """
-    metrics = ServerMetrics(served_model_name, engine.stats, engine.max_model_len)
-    engine.add_observer(metrics)
+    engines = dict(engine) if isinstance(engine, Mapping) else {served_model_name: engine}
+    if not engines or any(not isinstance(n, str) or not n for n in engines):
+        raise ValueError("build_app needs at least one engine, each under a non-empty served model name")
+    registry = CollectorRegistry()
+    top = max(e.max_model_len for e in engines.values())  # one set of token-count buckets for every model
+    models = ServedModels()
+    for name, eng in engines.items():
+        metrics = ServerMetrics(name, eng.stats, top, registry)
+        eng.add_observer(metrics)
+        cache = None if answer_cache_bytes is None else ServingAnswerCache(
+            name, answer_cache_bytes, answer_cache_ttl, registry, answer_cache_semantic, answer_cache_similarity)
+        models.add(ServedModel(name, eng, OpenAIServingChat(eng, name), OpenAIServingCompletion(eng, name), metrics,
+                               cache))
+    default = models.default
+    engine, served_model_name, metrics = default.engine, default.name, default.metrics
     if tenants is None and api_key:
         tenants = TenantRegistry([("default", api_key, TenantLimits())])
     if tenants is not None:
-        tenants.metrics = TenantMetrics(metrics.registry, served_model_name, [t.name for t in tenants.tenants])
-        engine.add_observer(tenants)
+        tenants.metrics = TenantMetrics(registry, served_model_name, [t.name for t in tenants.tenants])
+        for eng in models.engines:
+            eng.add_observer(tenants)
     limits = limits or RequestLimits()
-    chat = OpenAIServingChat(engine, served_model_name)
-    completion = OpenAIServingCompletion(engine, served_model_name)
-    tokenizer = engine.tokenizer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        await asyncio.to_thread(engine.shutdown)
+        await asyncio.to_thread(models.shutdown)
 
     app = FastAPI(title="leanserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API of leanserve (plus vLLM's extension fields, /tokenize and "
                   "/detokenize). Errors are OpenAI error envelopes.")
-    app.state.engine = engine
+    app.state.engine = engine  # the default model's
+    app.state.models = models
     app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.limits = limits
     app.state.context = context or ContextSettings()
-    app.state.answer_cache = None if answer_cache_bytes is None else ServingAnswerCache(
-        served_model_name, answer_cache_bytes, answer_cache_ttl, metrics.registry, answer_cache_semantic,
-        answer_cache_similarity)
+    app.state.answer_cache = default.answer_cache
     app.add_middleware(InternalErrorGuard)
-    app.add_middleware(ServerGate, engine=engine, limits=limits, tenants=tenants)
+    app.add_middleware(ServerGate, engine=models if len(models) > 1 else engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
-    openapi.install(app, served_model_name, limits, getattr(tokenizer, "vocab_size", None))
+    vocab = max(getattr(m.engine.tokenizer, "vocab_size", 0) or 0 for m in models) or None
+    openapi.install(app, served_model_name if len(models) == 1 else models.names, limits, vocab)
+
+    def served(request_model: str | None, raw_request: Request, body: Any = None) -> ServedModel:
+        """The request's model (404 envelope when unknown); its answer cache goes in ``request.state``."""
+        model = models.resolve(request_model, body)
+        raw_request.state.answer_cache = model.answer_cache
+        return model
+
+    def pinned(req: Any, model: ServedModel) -> Any:
+        """``req`` naming ``model`` itself (a virtual name resolved to it), as the serving objects check."""
+        return req if req.model is None or req.model == model.name else req.model_copy(update={"model": model.name})
 
     async def require_api_key(request: Request) -> None:
         if tenants is None:
@@ -189,16 +220,19 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
               "content": {}},
         503: {"model": ErrorResponse, "description": "the engine is dead, stalled, or the server is draining"}})
     async def health() -> Response:
-        if engine.draining and engine.is_running:
-            return _error_response(OpenAIError(503, SHUTTING_DOWN, "server_error", None, "server_shutting_down",
-                                               {"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
-        if not engine.is_running:
-            return _error_response(OpenAIError(503, "the engine is not running", "server_error"))
-        stalled = engine.stalled_for()
-        if stalled > stall_timeout:
-            return _error_response(OpenAIError(
-                503, f"the engine loop has not advanced for {stalled:.1f} s (limit {stall_timeout:g} s)",
-                "server_error", None, "engine_stalled"))
+        several = len(models) > 1
+        for m in models:
+            eng, which = m.engine, f" of model {m.name}" if several else ""
+            if eng.draining and eng.is_running:
+                return _error_response(OpenAIError(503, SHUTTING_DOWN, "server_error", None, "server_shutting_down",
+                                                   {"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
+            if not eng.is_running:
+                return _error_response(OpenAIError(503, f"the engine{which} is not running", "server_error"))
+            stalled = eng.stalled_for()
+            if stalled > stall_timeout:
+                return _error_response(OpenAIError(
+                    503, f"the engine loop{which} has not advanced for {stalled:.1f} s (limit {stall_timeout:g} s)",
+                    "server_error", None, "engine_stalled"))
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=Response, responses={
@@ -209,24 +243,36 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/v1/models", dependencies=auth, responses=openapi.responses(ModelList, errors=(401, 503)))
     async def list_models() -> JSONResponse:
-        card = ModelCard(id=served_model_name, root=engine.engine.model_path, max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+        return JSONResponse(ModelList(data=[card(m) for m in models]).model_dump(mode="json"))
+
+    # OpenAI's retrieve-model endpoint; left out of /openapi.json, whose path set the existing tests pin
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, include_in_schema=False)
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        model = models.get(model_id)
+        if model is None:
+            raise model_not_found(model_id)
+        return JSONResponse(card(model).model_dump(mode="json"))
 
     @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=openapi.request_body(ChatCompletionRequest),
               responses=openapi.responses(ChatCompletionResponse, ChatCompletionChunk, generation_errors))
     async def chat_completions(raw_request: Request) -> Response:
-        return await chat.create(await parse_body(raw_request, ChatCompletionRequest), raw_request)
+        req = await parse_body(raw_request, ChatCompletionRequest)
+        model = served(req.model, raw_request, req)
+        return await model.chat.create(pinned(req, model), raw_request)
 
     @app.post("/v1/completions", dependencies=auth, openapi_extra=openapi.request_body(CompletionRequest),
               responses=openapi.responses(CompletionResponse, CompletionStreamResponse, generation_errors))
     async def completions(raw_request: Request) -> Response:
-        return await completion.create(await parse_body(raw_request, CompletionRequest), raw_request)
+        req = await parse_body(raw_request, CompletionRequest)
+        model = served(req.model, raw_request, req)
+        return await model.completion.create(pinned(req, model), raw_request)
 
     @app.post("/tokenize", dependencies=auth, openapi_extra=openapi.request_body(TokenizeRequest),
               responses=openapi.responses(TokenizeResponse, errors=(400, 401, 404, 413, 503)))
     async def tokenize(raw_request: Request) -> JSONResponse:
         req = await parse_body(raw_request, TokenizeRequest)
-        check_model(req.model, served_model_name)
+        model = served(req.model, raw_request, req)
+        tokenizer, max_model_len = model.engine.tokenizer, model.engine.max_model_len
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
@@ -243,14 +289,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = tokenizer.encode(req.prompt, add_special_tokens=add)
         strs = [tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ids] if req.return_token_strs else None
-        resp = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+        resp = TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
         return JSONResponse(resp.model_dump(mode="json", exclude_none=True))
 
     @app.post("/detokenize", dependencies=auth, openapi_extra=openapi.request_body(DetokenizeRequest),
               responses=openapi.responses(DetokenizeResponse, errors=(400, 401, 404, 413, 503)))
     async def detokenize(raw_request: Request) -> JSONResponse:
         req = await parse_body(raw_request, DetokenizeRequest)
-        check_model(req.model, served_model_name)
+        tokenizer = served(req.model, raw_request, req).engine.tokenizer
         if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
         return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)).model_dump(mode="json"))
@@ -258,16 +304,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     return app
 
 
-def default_served_model_name(model_path: str) -> str:
-    """The file or folder name of the model, without ``.gguf``."""
-    name = os.path.basename(os.path.normpath(model_path))
-    return name[:-5] if name.lower().endswith(".gguf") else name
+def card(model: ServedModel) -> ModelCard:
+    """The ``/v1/models`` entry of a served model."""
+    return ModelCard(id=model.name, root=model.engine.engine.model_path, max_model_len=model.engine.max_model_len)
 
 
-def _banner(host: str, port: int, model: str, max_model_len: int, api_key: bool) -> str:
+def _banner(host: str, port: int, model: str, max_model_len: int | str, api_key: bool,
+            example_model: str | None = None) -> str:
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
-    body = shlex.quote(f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+    body = shlex.quote(f'{{"model": "{example_model or model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
                        f'"max_tokens": 32}}')
     auth = " -H 'Authorization: Bearer YOUR_API_KEY'" if api_key else ""  # the key given with --api-key
     return (f"leanserve: serving {model} (max_model_len {max_model_len}) on {url}  (OpenAI API under {url}/v1, "
@@ -355,16 +401,26 @@ def app_options(sc: ServerConfig) -> dict[str, Any]:
             "answer_cache_similarity": sc.answer_cache_similarity}
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the engine and serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, 2 when the address
-    cannot be bound (checked before the model loads), or 1 when the engine thread died.
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, models: list[ModelSpec] | None = None
+               ) -> int:
+    """Load the engine (or one engine per model of ``models``, each with its own engine thread and KV pool) and
+    serve it until Ctrl-C/SIGTERM. Returns the exit status: 0, 2 when the address cannot be bound (checked before
+    the model loads), or 1 when an engine thread died.
+
+    Args:
+        models: several models (:func:`~leanserve.entrypoints.openai.models_config.model_specs`); None: the one
+            model of ``engine_config`` served as ``server_config.served_model_name``. With more than one and
+            ``server_config.serialize_model_steps``, their engines step one at a time (:class:`StepLock`).
 
     Raises:
-        InvalidParameterError, ModelLoadError: from loading the engine, or a bad ``--api-keys-file``.
+        InvalidParameterError, ModelLoadError: from loading an engine, two models under one name, or a bad
+            ``--api-keys-file``.
     """
     sc = server_config
     logging.basicConfig(level=getattr(logging, sc.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
+    specs = models or [ModelSpec(engine_config, sc.served_model_name)]
+    names = served_names(specs)  # before anything loads: two models under one name fail at once
     defaults = TenantLimits(sc.tenant_max_concurrent, sc.tenant_requests_per_minute, sc.tenant_tokens_per_minute)
     tenants = TenantRegistry.from_config(sc.api_keys, sc.api_keys_file, defaults)  # before the model loads
     if tenants is not None:
@@ -375,20 +431,24 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     except (OSError, OverflowError) as e:
         print(f"error: cannot listen on {sc.host}:{sc.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    llm_engine = LLMEngine(engine_config)
-    engine = AsyncEngine(llm_engine, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout)
-    name = sc.served_model_name or default_served_model_name(llm_engine.model_path)
-    app = build_app(engine, name, tenants=tenants, **app_options(sc))
+    step_lock = StepLock() if len(specs) > 1 and sc.serialize_model_steps else None
+    llm_engines = [LLMEngine(s.engine) for s in specs]  # all loaded before any engine thread steps
+    engines = {name: AsyncEngine(e, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout,
+                                 step_lock=step_lock) for name, e in zip(names, llm_engines, strict=True)}
+    app = build_app(engines, tenants=tenants, **app_options(sc))
+    served = app.state.models
     # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
     # pick up, so one server would behave differently with and without the extra
     config = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, timeout_graceful_shutdown=10,
                             lifespan="on", loop="asyncio", http="h11")
-    server = LeanserveServer(config, engine,
-                             lambda port: _banner(sc.host, port, name, llm_engine.max_model_len, tenants is not None),
+    lens = sorted({e.max_model_len for e in llm_engines})
+    server = LeanserveServer(config, served if len(served) > 1 else served.default.engine,
+                             lambda port: _banner(sc.host, port, ", ".join(names), lens[-1] if len(lens) == 1 else
+                                                  "/".join(map(str, lens)), tenants is not None, names[0]),
                              shutdown_timeout=sc.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        served.shutdown()
     print("leanserve: server stopped", flush=True)
     return server.exit_code

@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (vLLM's names and ``model_name`` label, from :mod:`leanserve.metric_names`),
-in a registry of its own.
+in a registry of its own; with several models each metric family is registered once in that registry and every
+model adds its own ``model_name`` series (:class:`ServerMetrics` with a shared ``registry``).
 
 Request-level histograms get one observation per request, when it ends (any reason; the server's own internal
 requests, a history summary's, are no client's: skipped there and in ``request_success``, their tokens
@@ -11,6 +12,7 @@ torch sees CUDA.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -93,39 +95,44 @@ def summarize(out: RequestOutput) -> RequestSummary:
 
 
 class _EngineCollector(Collector):
-    """Gauges and cumulative counters read from the engine's stats snapshot at scrape time."""
+    """Gauges and cumulative counters read from each engine's stats snapshot at scrape time: one metric family
+    per name, one sample per served model (``model_name``)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats]) -> None:
-        self._model_name = model_name
-        self._stats = stats
+    def __init__(self) -> None:
+        self._engines: list[tuple[str, Callable[[], AsyncEngineStats]]] = []
+
+    def add(self, model_name: str, stats: Callable[[], AsyncEngineStats]) -> None:
+        self._engines.append((model_name, stats))
 
     def collect(self) -> Iterable[Metric]:
-        s = self._stats()
-        labels = [self._model_name]
+        snapshots = [([model], stats()) for model, stats in self._engines]
         for name, value in (
-            (names.NUM_REQUESTS_RUNNING, s.num_running),
-            (names.NUM_REQUESTS_WAITING, s.num_waiting),
-            (names.KV_CACHE_USAGE_PERC, s.kv_cache_usage),
+            (names.NUM_REQUESTS_RUNNING, lambda s: s.num_running),
+            (names.NUM_REQUESTS_WAITING, lambda s: s.num_waiting),
+            (names.KV_CACHE_USAGE_PERC, lambda s: s.kv_cache_usage),
         ):
             g = GaugeMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL])
-            g.add_metric(labels, value)
+            for labels, s in snapshots:
+                g.add_metric(labels, value(s))
             yield g
-        e: EngineStats = s.engine
         for name, value in (
-            (names.NUM_PREEMPTIONS, e.num_preemptions),
-            (names.PREFIX_CACHE_QUERIES, e.prefix_cache_queries),
-            (names.PREFIX_CACHE_HITS, e.prefix_cache_hits),
-            (names.SPEC_DECODE_NUM_DRAFTS, e.spec_num_drafts),
-            (names.SPEC_DECODE_NUM_DRAFT_TOKENS, e.spec_num_draft_tokens),
-            (names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, e.spec_num_accepted_tokens),
+            (names.NUM_PREEMPTIONS, lambda e: e.num_preemptions),
+            (names.PREFIX_CACHE_QUERIES, lambda e: e.prefix_cache_queries),
+            (names.PREFIX_CACHE_HITS, lambda e: e.prefix_cache_hits),
+            (names.SPEC_DECODE_NUM_DRAFTS, lambda e: e.spec_num_drafts),
+            (names.SPEC_DECODE_NUM_DRAFT_TOKENS, lambda e: e.spec_num_draft_tokens),
+            (names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, lambda e: e.spec_num_accepted_tokens),
         ):
             c = CounterMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL])
-            c.add_metric(labels, value)
+            for labels, s in snapshots:
+                e: EngineStats = s.engine
+                c.add_metric(labels, value(e))
             yield c
         name = names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS
         c = CounterMetricFamily(name, names.HELP[name], labels=[names.MODEL_NAME_LABEL, names.POSITION_LABEL])
-        for pos, value in enumerate(e.spec_accepted_per_pos):
-            c.add_metric([*labels, str(pos)], value)
+        for labels, s in snapshots:
+            for pos, value in enumerate(s.engine.spec_accepted_per_pos):
+                c.add_metric([*labels, str(pos)], value)
         yield c
 
 
@@ -142,44 +149,30 @@ class _GpuCollector(Collector):
         yield reserved
 
 
-class ServerMetrics:
-    """The metrics of one app. Register it with ``async_engine.add_observer(metrics)``; render with
-    :meth:`render`.
+class _Families:
+    """The metric families of one registry (unlabelled collectors), shared by every model served into it."""
 
-    Args:
-        model_name: value of the ``model_name`` label.
-        stats: returns the engine's current :class:`AsyncEngineStats` (cheap, thread-safe).
-        max_model_len: top of the token-count buckets.
-    """
-
-    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats], max_model_len: int) -> None:
-        self.registry = CollectorRegistry()
-        r, label = self.registry, [names.MODEL_NAME_LABEL]
-
-        def counter(name: str) -> Counter:
-            return Counter(name, names.HELP[name], label, registry=r).labels(model_name)
-
-        def histogram(name: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, names.HELP[name], label, buckets=buckets, registry=r).labels(model_name)
-
-        self.prompt_tokens = counter(names.PROMPT_TOKENS)
-        self.generation_tokens = counter(names.GENERATION_TOKENS)
-        self._success = Counter(names.REQUEST_SUCCESS, names.HELP[names.REQUEST_SUCCESS],
-                                [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=r)
-        self._model_name = model_name
-        for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)
-        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, TTFT_BUCKETS)
-        self.itl = histogram(names.INTER_TOKEN_LATENCY_SECONDS, TOKEN_LATENCY_BUCKETS)
-        self.tpot = histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, TOKEN_LATENCY_BUCKETS)
-        self.e2e = histogram(names.E2E_REQUEST_LATENCY_SECONDS, REQUEST_LATENCY_BUCKETS)
-        self.queue = histogram(names.REQUEST_QUEUE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
-        self.prefill = histogram(names.REQUEST_PREFILL_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
-        self.decode = histogram(names.REQUEST_DECODE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS)
+    def __init__(self, registry: CollectorRegistry, max_model_len: int) -> None:
+        r, label = registry, [names.MODEL_NAME_LABEL]
+        self.counters = {name: Counter(name, names.HELP[name], label, registry=r)
+                         for name in (names.PROMPT_TOKENS, names.GENERATION_TOKENS)}
+        self.success = Counter(names.REQUEST_SUCCESS, names.HELP[names.REQUEST_SUCCESS],
+                               [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL], registry=r)
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(names.REQUEST_PROMPT_TOKENS, token_buckets)
-        self.request_generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS, token_buckets)
-        r.register(_EngineCollector(model_name, stats))
+        self.histograms = {name: Histogram(name, names.HELP[name], label, buckets=buckets, registry=r)
+                           for name, buckets in (
+            (names.TIME_TO_FIRST_TOKEN_SECONDS, TTFT_BUCKETS),
+            (names.INTER_TOKEN_LATENCY_SECONDS, TOKEN_LATENCY_BUCKETS),
+            (names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, TOKEN_LATENCY_BUCKETS),
+            (names.E2E_REQUEST_LATENCY_SECONDS, REQUEST_LATENCY_BUCKETS),
+            (names.REQUEST_QUEUE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS),
+            (names.REQUEST_PREFILL_TIME_SECONDS, REQUEST_LATENCY_BUCKETS),
+            (names.REQUEST_DECODE_TIME_SECONDS, REQUEST_LATENCY_BUCKETS),
+            (names.REQUEST_PROMPT_TOKENS, token_buckets),
+            (names.REQUEST_GENERATION_TOKENS, token_buckets),
+        )}
+        self.engines = _EngineCollector()
+        r.register(self.engines)
         ProcessCollector(registry=r)
         try:
             import torch
@@ -188,6 +181,47 @@ class ServerMetrics:
                 r.register(_GpuCollector())
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
+
+
+_FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+
+
+class ServerMetrics:
+    """The metrics of one served model. Register it with ``async_engine.add_observer(metrics)``; render with
+    :meth:`render`.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+        stats: returns the engine's current :class:`AsyncEngineStats` (cheap, thread-safe).
+        max_model_len: top of the token-count buckets.
+        registry: the registry to add this model's series to (several models in one server share one: each metric
+            family is registered once, each model adds its ``model_name`` series; the token-count buckets are those
+            of the first model's ``max_model_len``, so pass the largest); None: a registry of its own.
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats], max_model_len: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        families = _FAMILIES.get(self.registry)
+        if families is None:
+            families = _FAMILIES[self.registry] = _Families(self.registry, max_model_len)
+        h = families.histograms
+        self.prompt_tokens = families.counters[names.PROMPT_TOKENS].labels(model_name)
+        self.generation_tokens = families.counters[names.GENERATION_TOKENS].labels(model_name)
+        self._success = families.success
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        self.ttft = h[names.TIME_TO_FIRST_TOKEN_SECONDS].labels(model_name)
+        self.itl = h[names.INTER_TOKEN_LATENCY_SECONDS].labels(model_name)
+        self.tpot = h[names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS].labels(model_name)
+        self.e2e = h[names.E2E_REQUEST_LATENCY_SECONDS].labels(model_name)
+        self.queue = h[names.REQUEST_QUEUE_TIME_SECONDS].labels(model_name)
+        self.prefill = h[names.REQUEST_PREFILL_TIME_SECONDS].labels(model_name)
+        self.decode = h[names.REQUEST_DECODE_TIME_SECONDS].labels(model_name)
+        self.request_prompt_tokens = h[names.REQUEST_PROMPT_TOKENS].labels(model_name)
+        self.request_generation_tokens = h[names.REQUEST_GENERATION_TOKENS].labels(model_name)
+        families.engines.add(model_name, stats)
         # Engine-thread state: per (request, choice) tokens seen and time of the last one; requests prefilled.
         self._seen: dict[tuple[str, int], tuple[int, float | None]] = {}
         self._prefilled: set[str] = set()

@@ -160,10 +160,11 @@ def _field_rules(components: dict[str, Any], limits: RequestLimits, vocab_size: 
                    {"properties": {"tool_calls": {"type": "null"}}}]}]
 
 
-def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits: RequestLimits) -> None:
+def _patch_request_schema(schema: dict[str, Any], served_model_name: str | list[str], limits: RequestLimits) -> None:
     props = schema.get("properties", {})
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if "model" in props:
-        props["model"] = {"anyOf": [{"type": "string", "enum": [served_model_name]}, {"type": "null"}],
+        props["model"] = {"anyOf": [{"type": "string", "enum": names}, {"type": "null"}],
                           "default": None, "title": "Model",
                           "description": "the served model's name (any other gets 404); null: the served model"}
     for name, extra in _RANGES.items():
@@ -176,9 +177,10 @@ def _patch_request_schema(schema: dict[str, Any], served_model_name: str, limits
             props[name]["maxItems"] = n
 
 
-def install(app: FastAPI, served_model_name: str, limits: RequestLimits, vocab_size: int | None = None) -> None:
+def install(app: FastAPI, served_model_name: str | list[str], limits: RequestLimits,
+            vocab_size: int | None = None) -> None:
     """Make ``app.openapi()`` include the request models (and the stream event models) as component schemas;
-    ``vocab_size`` bounds the documented token ids."""
+    ``served_model_name``: the served name(s) ``model`` may take; ``vocab_size`` bounds the documented token ids."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
