@@ -2,8 +2,9 @@
 router model (``"model": "auto"``). Plain Python + numpy, no server imports; the server calls :meth:`decide`.
 
 - :class:`RulesPolicy`: prompt length, requested ``max_tokens``, code or math in the prompt (``detect.py``).
-- :class:`LearnedPolicy`: kNN over labelled easy / hard examples on WordLlama embeddings (RouteLLM's spirit),
-  its threshold calibrated to a target strong-model share (:meth:`LearnedPolicy.calibrate`).
+- :class:`LearnedPolicy`: the share of hard among labelled easy / hard examples, weighted by similarity on
+  WordLlama embeddings (RouteLLM's spirit), its threshold calibrated to a target strong-model share
+  (:meth:`LearnedPolicy.calibrate`).
 - :class:`CascadePolicy`: FrugalGPT's cascade: the cheap answer first, escalated when its mean token logprob is
   under a threshold (:meth:`CascadePolicy.judge`; :func:`calibrate_min_mean_logprob`).
 - ``factory.py``: ``--model-router`` / ``--model-routers-file`` definitions -> policies (:func:`build_router`).

@@ -7,7 +7,7 @@ policy's parameters:
 - rules: ``max_cheap_prompt_tokens``, ``max_cheap_max_tokens`` (int or null), ``code``, ``math`` (bool);
 - learned: ``examples`` (JSONL path, required; relative to the file's folder), ``strong_share`` (calibrate to
   it), ``calibration`` (JSONL path of ``{"text"}`` lines to calibrate on; default: the examples, left one out),
-  ``threshold`` (when there is no ``strong_share``), ``k``;
+  ``threshold`` (when there is no ``strong_share``), ``temperature``;
 - cascade: ``min_mean_logprob``.
 
 The file is JSON or YAML (by its extension: ``.yaml`` / ``.yml``), a list of definitions or ``{"routers": [...]}``.
@@ -35,7 +35,7 @@ from leanserve.routing.rules import RulesPolicy
 
 PARAMETERS = {
     "rules": {"max_cheap_prompt_tokens", "max_cheap_max_tokens", "code", "math"},
-    "learned": {"examples", "strong_share", "calibration", "threshold", "k"},
+    "learned": {"examples", "strong_share", "calibration", "threshold", "temperature"},
     "cascade": {"min_mean_logprob"},
 }
 DEFAULT_ROUTER_NAME = "auto"

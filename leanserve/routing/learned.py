@@ -1,10 +1,13 @@
 """The learned router, in the spirit of RouteLLM (Ong et al. 2024, arXiv:2406.18665: a router trained on labelled
-requests, its threshold calibrated to a target share of strong-model calls): here a similarity-weighted k-nearest
-neighbours scorer over requests the user labelled easy or hard, on sentence embeddings.
+requests, its threshold calibrated to a target share of strong-model calls): here a similarity-weighted
+nearest-neighbours scorer over requests the user labelled easy or hard, on sentence embeddings.
 
-Score of a text (in [0, 1]): embed it (L2-normalized), take its ``k`` most similar labelled examples by cosine
-similarity, and return the share of hard ones weighted by their similarity (clipped at 0): sum(w_i x hard_i) /
-sum(w_i). With no positive similarity at all, 0.5. The request goes to the strong model when score >= threshold.
+Score of a text (in [0, 1]): embed it (L2-normalized), and return the share of hard examples among the labelled
+ones, each weighted by a softmax of its cosine similarity s_i at ``temperature`` T (Nadaraya-Watson kernel
+regression: sum(w_i x hard_i) / sum(w_i), w_i = exp(s_i / T)). A small T makes it the label of the nearest
+examples; unlike a plain k-nearest-neighbours vote it gives no ties (many requests with all k neighbours hard
+score exactly 1), so a quantile threshold can split them. The request goes to the strong model when
+score >= threshold.
 
 :meth:`LearnedPolicy.calibrate` sets the threshold from unlabelled calibration texts so that a target share of
 them scores at or above it (a quantile); the share on new requests then matches as far as they resemble the
@@ -71,33 +74,34 @@ def load_examples(path: str | Path) -> tuple[list[str], list[str]]:
 
 
 class LearnedPolicy:
-    """kNN hardness score over labelled examples; ``strong`` when the score reaches ``threshold``.
+    """Similarity-weighted hardness score over labelled examples; ``strong`` when it reaches ``threshold``.
 
     Args:
         embedder: see :class:`Embedder`; called once here for the examples and once per :meth:`score` call.
         easy_examples, hard_examples: labelled request texts (each non-empty).
         threshold: in [0, 1]; :meth:`calibrate` replaces it.
-        k: neighbours per score (at most the number of examples).
+        temperature: of the similarity softmax (> 0; cosine units).
 
     Raises:
-        RouterConfigError: an empty label, a threshold outside [0, 1], ``k`` < 1.
+        RouterConfigError: an empty label, a threshold outside [0, 1], a temperature that is not > 0.
     """
 
     kind = "learned"
 
     def __init__(self, cheap: str, strong: str, embedder: Embedder, easy_examples: Sequence[str],
-                 hard_examples: Sequence[str], threshold: float = 0.5, k: int = 10) -> None:
+                 hard_examples: Sequence[str], threshold: float = 0.5, temperature: float = 0.1) -> None:
         if not easy_examples or not hard_examples:
             raise RouterConfigError("examples", "the learned router needs examples of both labels, easy and hard")
         _check_unit("threshold", threshold)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise RouterConfigError("k", f"k must be a positive integer, got {k!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise RouterConfigError("temperature", f"temperature must be a number > 0, got {temperature!r}")
         self.cheap, self.strong, self.embedder = cheap, strong, embedder
         self.threshold = float(threshold)
         texts = list(easy_examples) + list(hard_examples)
         self._vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
         self._hard = np.array([0.0] * len(easy_examples) + [1.0] * len(hard_examples), dtype=np.float32)
-        self.k = min(k, len(texts))
+        self.temperature = float(temperature)
 
     def score(self, texts: Sequence[str]) -> np.ndarray:
         """(len(texts),) float64 hardness scores in [0, 1] (see the module's docstring)."""
@@ -105,22 +109,17 @@ class LearnedPolicy:
             return np.zeros(0)
         return self._score_sims(np.asarray(self.embedder.embed(list(texts)), dtype=np.float32) @ self._vectors.T)
 
-    def _score_sims(self, sims: np.ndarray, k: int | None = None) -> np.ndarray:
-        k = self.k if k is None else k
-        top = np.argpartition(-sims, k - 1, axis=1)[:, :k]
-        w = np.clip(np.take_along_axis(sims, top, axis=1), 0.0, None).astype(np.float64)
-        hard = self._hard[top]
-        total = w.sum(axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = np.where(total > 0, (w * hard).sum(axis=1) / np.where(total > 0, total, 1.0), 0.5)
-        return out
+    def _score_sims(self, sims: np.ndarray) -> np.ndarray:
+        z = sims.astype(np.float64) / self.temperature
+        w = np.exp(z - z.max(axis=1, keepdims=True))  # -inf similarities (an excluded example) weigh 0
+        return (w @ self._hard.astype(np.float64)) / w.sum(axis=1)
 
     def example_scores(self) -> np.ndarray:
         """Leave-one-out scores of the labelled examples themselves (each scored without itself): calibration
         texts when the user gives no others."""
         sims = self._vectors @ self._vectors.T
         np.fill_diagonal(sims, -np.inf)
-        return self._score_sims(sims, min(self.k, len(self._hard) - 1) or 1)
+        return self._score_sims(sims)
 
     def decide(self, request: RouteInput) -> RouteDecision:
         s = float(self.score([request.text])[0])

@@ -40,7 +40,7 @@ def test_clear_cases(policy, text, model):
     assert policy.decide(RouteInput(text)).model == model
 
 
-@pytest.mark.parametrize("share", [0.2, 0.3, 0.5])
+@pytest.mark.parametrize("share", [0.1, 0.2, 0.3, 0.5])
 def test_calibrated_share_holds_on_heldout(policy, split, share):
     threshold = policy.calibrate([it["question"] for it in split["calibration"]], share)
     scores = policy.score([it["question"] for it in split["heldout"]])

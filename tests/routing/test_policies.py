@@ -102,39 +102,47 @@ EASY = {"e1": _angle(0), "e2": _angle(10)}
 HARD = {"h1": _angle(90), "h2": _angle(80)}
 
 
-def _learned(k=4, threshold=0.5, extra=None):
+def _learned(temperature=0.1, threshold=0.5, extra=None):
     table = {**EASY, **HARD, **(extra or {})}
-    return LearnedPolicy("small", "big", FakeEmbedder(table), list(EASY), list(HARD), threshold=threshold, k=k)
+    return LearnedPolicy("small", "big", FakeEmbedder(table), list(EASY), list(HARD), threshold=threshold,
+                         temperature=temperature)
+
+
+def _expected(angle: float, temperature: float) -> float:
+    """The score by hand: softmax weights of the cosines to e1 (0 deg), e2 (10), h1 (90), h2 (80)."""
+    w = {name: math.exp(math.cos(math.radians(angle - a)) / temperature)
+         for name, a in (("e1", 0), ("e2", 10), ("h1", 90), ("h2", 80))}
+    return (w["h1"] + w["h2"]) / sum(w.values())
 
 
 def test_learned_score_is_similarity_weighted_hard_share():
-    q = {"q45": _angle(45), "q0": _angle(0), "q85": _angle(85), "q200": _angle(200)}
-    p = _learned(extra=q)
-    cos = lambda a: max(0.0, math.cos(math.radians(a)))  # noqa: E731
-    want45 = (cos(45) + cos(35)) / (cos(45) + cos(35) + cos(45) + cos(35))  # symmetric: 0.5
-    want0 = (cos(90) + cos(80)) / (cos(0) + cos(10) + cos(90) + cos(80))
-    want85 = (cos(5) + cos(5)) / (cos(85) + cos(75) + cos(5) + cos(5))
-    got = p.score(["q45", "q0", "q85", "q200"])
-    np.testing.assert_allclose(got, [want45, want0, want85, 0.5], rtol=1e-5)  # q200: no positive similarity
-    assert want0 < 0.1 < 0.8 < want85
-
-
-def test_learned_knn_keeps_k_nearest():
-    p = _learned(k=1, extra={"q5": _angle(5), "q86": _angle(86)})
-    np.testing.assert_allclose(p.score(["q5", "q86"]), [0.0, 1.0])
+    angles = {"q45": 45, "q0": 0, "q85": 85, "q225": 225}
+    p = _learned(extra={k: _angle(a) for k, a in angles.items()})
+    got = p.score(list(angles))
+    np.testing.assert_allclose(got, [_expected(a, 0.1) for a in angles.values()], rtol=1e-5)
+    assert got[0] == pytest.approx(0.5, abs=1e-6)  # midway between the labels
+    assert got[1] < 0.01 and got[2] > 0.99  # near the easy / the hard examples
+    assert got[3] == pytest.approx(0.5, abs=1e-6)  # opposite of 45 deg: as far from both labels
+    near = _learned(extra={"q84": _angle(84), "q88": _angle(88)})
+    a, b = near.score(["q84", "q88"])  # both with every near neighbour hard, yet not tied (kNN: both 1.0)
+    assert 0.99 < a < 1.0 and 0.99 < b < 1.0 and a != b
+    wide = _learned(temperature=10.0, extra={"q85": _angle(85)})  # a large temperature flattens the weights
+    assert wide.score(["q85"])[0] == pytest.approx(_expected(85, 10.0), rel=1e-5)
+    assert 0.5 < wide.score(["q85"])[0] < 0.53
 
 
 def test_learned_decisions_at_the_threshold():
-    p = _learned(threshold=0.5, extra={"q45": _angle(45), "q0": _angle(0)})
-    s45 = float(p.score(["q45"])[0])
-    assert s45 == pytest.approx(0.5, abs=1e-6)
-    p.threshold = s45  # score >= threshold: strong
-    d = p.decide(RouteInput("q45"))
-    assert (d.model, d.policy, d.score) == ("big", "learned", pytest.approx(s45))
-    assert d.reason == f"learned: score {s45:.2f} >= threshold {s45:.2f}"
-    p.threshold = float(np.nextafter(s45, 1.0))
-    assert p.decide(RouteInput("q45")).model == "small"
-    assert p.decide(RouteInput("q0")).reason.startswith("learned: score 0.")
+    p = _learned(threshold=0.5, extra={"q60": _angle(60), "q0": _angle(0)})
+    s60 = float(p.score(["q60"])[0])
+    assert s60 == pytest.approx(_expected(60, 0.1), rel=1e-5) and s60 > 0.5
+    p.threshold = s60  # score >= threshold: strong
+    d = p.decide(RouteInput("q60"))
+    assert (d.model, d.policy, d.score) == ("big", "learned", pytest.approx(s60))
+    assert d.reason == f"learned: score {s60:.2f} >= threshold {s60:.2f}"
+    p.threshold = float(np.nextafter(s60, 1.0))
+    assert p.decide(RouteInput("q60")).model == "small"
+    d0 = p.decide(RouteInput("q0"))
+    assert d0.model == "small" and d0.reason == f"learned: score 0.00 < threshold {p.threshold:.2f}"
 
 
 def test_threshold_for_share_is_a_quantile():
@@ -156,13 +164,14 @@ def test_learned_calibrate_sets_the_threshold():
     t = p.calibrate(list(texts), 0.4)
     scores = p.score(list(texts))
     assert p.threshold == t and int((scores >= t).sum()) == 4
-    loo = p.example_scores()  # each example without itself: its neighbours are the other 3
-    assert loo.shape == (4,) and loo[0] < 0.5 < loo[2]
+    loo = p.example_scores()  # each example without itself: e1 against e2, h1, h2
+    w = [math.exp(math.cos(math.radians(d)) / 0.1) for d in (10, 90, 80)]
+    assert loo.shape == (4,) and loo[0] == pytest.approx((w[1] + w[2]) / sum(w), rel=1e-5) and loo[2] > 0.5
 
 
 def test_learned_bad_parameters():
     emb = FakeEmbedder({**EASY, **HARD})
-    for kwargs, param in (({"threshold": 1.5}, "threshold"), ({"k": 0}, "k")):
+    for kwargs, param in (({"threshold": 1.5}, "threshold"), ({"temperature": 0}, "temperature")):
         with pytest.raises(RouterConfigError) as e:
             LearnedPolicy("a", "b", emb, list(EASY), list(HARD), **kwargs)
         assert e.value.param == param
@@ -240,7 +249,8 @@ def test_routers_file(tmp_path):
     _write_examples(tmp_path / "ex.jsonl")
     doc = {"routers": [
         {"name": "fast", "policy": "rules", "cheap": "s", "strong": "b", "max_cheap_prompt_tokens": 64},
-        {"name": "smart", "policy": "learned", "cheap": "s", "strong": "b", "examples": "ex.jsonl", "k": 2},
+        {"name": "smart", "policy": "learned", "cheap": "s", "strong": "b", "examples": "ex.jsonl",
+         "temperature": 0.2},
         {"name": "frugal", "policy": "cascade", "cheap": "s", "strong": "b", "min_mean_logprob": -1.5},
     ]}
     (tmp_path / "r.json").write_text(json.dumps(doc))
@@ -249,7 +259,8 @@ def test_routers_file(tmp_path):
     assert [s.name for s in specs] == ["fast", "smart", "frugal"]
     assert specs[1].params["examples"] == str(tmp_path / "ex.jsonl")  # relative to the file
     policies = [build_router(s, embedder=FakeEmbedder({**EASY, **HARD})) for s in specs]
-    assert policies[0].max_cheap_prompt_tokens == 64 and policies[1].k == 2 and policies[2].min_mean_logprob == -1.5
+    assert policies[0].max_cheap_prompt_tokens == 64 and policies[1].temperature == 0.2
+    assert policies[2].min_mean_logprob == -1.5
     (yaml_spec,) = load_router_specs(tmp_path / "r.yaml")
     assert build_router(yaml_spec).math is False
 
