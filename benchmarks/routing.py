@@ -11,8 +11,8 @@ How it runs (Python API, ``leanserve.LLM``, one per model, greedy, the same few-
    kNN over the set's ``examples`` split, threshold calibrated on its ``calibration`` split to a strong share S),
    ``cascade@E`` (cheap first; escalate when the answer's mean token logprob is under a threshold calibrated on the
    ``calibration`` split to an escalation share E). The table reports the ``heldout`` split only.
-3. Per request: quality = the answer passes its checker (:func:`is_correct`); latency = the seconds of every
-   model that ran (the cascade: cheap + strong when it escalates) plus the policy's own decision time;
+3. Per request: quality = the answer passes its checker (:func:`benchmarks.routing_data.is_correct`); latency =
+   the seconds of every model that ran (the cascade: cheap + strong when it escalates) plus the policy's own time;
    compute = 2 x (matmul parameters per token: every projection of every layer and the output head, not the
    embedding lookup) x (prompt + output tokens), summed over the models that ran (attention's score FLOPs are
    left out: under 2 % at these lengths).
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 from leanserve import LLM, SamplingParams
 
 from benchmarks.common import write_json
-from benchmarks.routing_data import SET_PATH
+from benchmarks.routing_data import SET_PATH, is_correct
 
 CANDIDATES = {  # name -> LLM keyword arguments
     "smollm2-q4": {"model": None, "quantization": "auto"},  # the default SmolLM2-135M-Instruct Q4_1 file
@@ -54,24 +53,11 @@ FEW_SHOT = ("Answer each question with only the answer.\n\n"
             "Q: Text: Leo is a tailor who lives in Oslo.\nWho lives in Oslo?\nA: Leo\n\n")
 MAX_TOKENS = 12
 STOP = ["\n"]
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def prompt_of(question: str) -> str:
     """The completion prompt both models get: :data:`FEW_SHOT` then ``Q: question / A:``."""
     return f"{FEW_SHOT}Q: {question}\nA:"
-
-
-def is_correct(answer: str, item: dict) -> bool:
-    """Whether ``answer`` (a model's text) passes ``item``'s checker (see :mod:`benchmarks.routing_data`)."""
-    text = answer.strip().split("\n")[0].strip()
-    if item["check"] == "number":
-        m = _NUMBER.search(text)
-        return m is not None and float(m.group()) == float(item["answer"])
-    if item["check"] == "yesno":
-        words = re.findall(r"[a-z]+", text.lower())
-        return bool(words) and words[0] == item["answer"]
-    return text.strip(" \"'.").lower() == item["answer"].lower()
 
 
 def load_set(limit: int | None = None) -> list[dict]:
@@ -219,6 +205,10 @@ def benchmark(args) -> None:
         saved = json.loads(Path(args.records).read_text())
         infos = saved["models"]
         records = {role: {i: Answer(**a) for i, a in answers.items()} for role, answers in saved["records"].items()}
+        for it in items:  # graded again: the checkers may have changed since
+            for answers in records.values():
+                if it["id"] in answers:
+                    answers[it["id"]].correct = is_correct(answers[it["id"]].text, it)
         missing = [it["id"] for it in items if any(it["id"] not in records[r] for r in ("cheap", "strong"))]
         if missing or (infos["cheap"]["name"], infos["strong"]["name"]) != (args.cheap, args.strong):
             raise SystemExit(f"{args.records} does not hold these models' answers to every request")

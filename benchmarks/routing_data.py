@@ -3,11 +3,12 @@ labelled examples (``benchmarks/data/routing_examples.jsonl``), offline and dete
 
 Each item: ``{"id", "split", "label", "category", "question", "answer", "check"}``.
 
-- ``label``: ``"easy"`` (lookups in a given text, copying, simple formatting, yes/no about a given sentence,
-  one-digit sums) or ``"hard"`` (multi-step arithmetic, word problems, what a short program prints, counting and
-  ordering), by construction of the category.
-- ``check``: how :func:`benchmarks.routing.is_correct` grades an answer: ``"exact"`` (the first line, stripped of
-  spaces, quotes and a final period, equal ignoring case), ``"number"`` (the first number in the answer equals
+- ``label``: ``"easy"`` (a lookup in a one-sentence text, copying 1-3 words, simple formatting, yes/no about a
+  given sentence, one-digit sums) or ``"hard"`` (multi-step arithmetic, word problems, what a short program
+  prints, counting letters, ordering by age, a lookup among four people's facts, copying 5-8 words), by
+  construction of the category.
+- ``check``: how :func:`is_correct` grades an answer: ``"exact"`` (the first line, stripped of
+  spaces, quotes and a final period, equal ignoring case; ``"exact_case"``: the same, case included), ``"number"`` (the first number in the answer equals
   ``answer``) or ``"yesno"`` (the first word is yes / no).
 - ``split``: ``"examples"`` (the learned policy's labelled examples), ``"calibration"`` (its threshold, the cascade's
   logprob threshold) or ``"heldout"`` (everything the benchmark table and the share test report), 30 / 30 / 40 %,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -56,7 +58,7 @@ def _copy(rng: random.Random) -> tuple[str, str, str]:
 def _format(rng: random.Random) -> tuple[str, str, str]:
     word = rng.choice(THINGS)
     if rng.random() < 0.5:
-        return f"Write the word {word} in capital letters.", word.upper(), "exact"
+        return f"Write the word {word} in capital letters.", word.upper(), "exact_case"
     return f"What is the first letter of the word {word}?", word[0], "exact"
 
 
@@ -115,6 +117,20 @@ def _ordering(rng: random.Random) -> tuple[str, str, str]:
     return f"{facts} Who is the {which}?", answer, "exact"
 
 
+def _lookup_long(rng: random.Random) -> tuple[str, str, str]:
+    people, places, jobs = rng.sample(NAMES, 4), rng.sample(PLACES, 4), rng.sample(JOBS, 4)
+    text = " ".join(f"{n} is a {j} who lives in {p}." for n, j, p in zip(people, jobs, places, strict=True))
+    k = rng.randrange(4)
+    if rng.random() < 0.5:
+        return f"Text: {text}\nWhere does {people[k]} live?", places[k], "exact"
+    return f"Text: {text}\nWhat is {people[k]}'s job?", jobs[k], "exact"
+
+
+def _copy_long(rng: random.Random) -> tuple[str, str, str]:
+    words = " ".join(rng.sample(THINGS, rng.randint(5, 8)))
+    return f"Repeat exactly: {words}", words, "exact"
+
+
 def _count(rng: random.Random) -> tuple[str, str, str]:
     word = rng.choice(THINGS) + rng.choice(THINGS)
     letter = rng.choice(sorted(set(word)))
@@ -126,6 +142,7 @@ CATEGORIES = {  # name -> (label, generator, items)
     "yesno": ("easy", _yesno, 30), "small_sum": ("easy", _small_sum, 20),
     "multistep": ("hard", _multistep, 30), "word_problem": ("hard", _word_problem, 30), "code": ("hard", _code, 30),
     "ordering": ("hard", _ordering, 30), "count": ("hard", _count, 30),
+    "lookup_long": ("hard", _lookup_long, 30), "copy_long": ("hard", _copy_long, 30),
 }
 SPLITS = (("examples", 0.3), ("calibration", 0.3), ("heldout", 0.4))
 
@@ -153,6 +170,26 @@ def build(seed: int = 0) -> list[dict]:
         row["id"] = f"r{i:03d}"
     return [{k: row[k] for k in ("id", "split", "label", "category", "question", "answer", "check")}
             for row in items]
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def is_correct(answer: str, item: dict) -> bool:
+    """Whether ``answer`` (a model's text) passes ``item``'s checker: only its first line counts; ``"number"``: the
+    first number in it equals ``item["answer"]``; ``"yesno"``: its first word is the answer; ``"exact"``: the line,
+    stripped of spaces, quotes and periods at its ends, equals the answer ignoring case; ``"exact_case"``: the same
+    without ignoring case."""
+    lines = answer.strip().split("\n")
+    text = lines[0].strip()
+    if item["check"] == "number":
+        m = _NUMBER.search(text)
+        return m is not None and float(m.group()) == float(item["answer"])
+    if item["check"] == "yesno":
+        words = re.findall(r"[a-z]+", text.lower())
+        return bool(words) and words[0] == item["answer"]
+    text = text.strip(" \"'.")
+    return text == item["answer"] if item["check"] == "exact_case" else text.lower() == item["answer"].lower()
 
 
 def main() -> None:

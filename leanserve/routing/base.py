@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,23 @@ class RouteInput:
     text: str
     prompt_tokens: int = 0
     max_tokens: int | None = None
+
+    @classmethod
+    def from_chat(cls, messages: Sequence[dict[str, Any]], prompt_tokens: int = 0,
+                  max_tokens: int | None = None) -> RouteInput:
+        """The input of a chat request: the text of its ``user`` messages (a string content, or the ``text`` of
+        each ``{"type": "text"}`` part of a list content), joined by newlines; other roles are left out."""
+        texts = []
+        for message in messages:
+            if message.get("role") != "user":
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(part["text"] for part in content if isinstance(part, dict)
+                             and part.get("type") == "text" and isinstance(part.get("text"), str))
+        return cls("\n".join(texts), prompt_tokens, max_tokens)
 
 
 @dataclass(frozen=True)

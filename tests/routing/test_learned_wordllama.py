@@ -33,7 +33,8 @@ def policy(split):
     ("What does this Python code print?\n```python\nxs = [4, 9, 1]\nprint(max(xs) - 2)\n```", "strong"),
     ("Compute (23 * 7) - 15 + 48.", "strong"),
     ("Repeat exactly: candle meadow", "cheap"),
-    ("Text: Omar is a pilot who lives in Tovik.\nWhere does Omar live?", "cheap"),
+    ("Sentence: The fox is red.\nIs the fox blue? Answer yes or no.", "cheap"),
+    ("What is the first letter of the word tunnel?", "cheap"),
 ])
 def test_clear_cases(policy, text, model):
     policy.threshold = 0.5

@@ -315,3 +315,14 @@ def test_server_config_fields():
         with pytest.raises(InvalidParameterError) as e:
             ServerConfig(**kwargs)
         assert e.value.param == param
+
+
+def test_route_input_from_chat():
+    messages = [{"role": "system", "content": "Be brief. 12 * 4"},
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": [{"type": "text", "text": "Compute 17 * 4"},
+                                             {"type": "image_url", "image_url": {"url": "x"}}]}]
+    inp = RouteInput.from_chat(messages, prompt_tokens=40, max_tokens=8)
+    assert inp == RouteInput("Hello\nCompute 17 * 4", 40, 8)
+    assert RouteInput.from_chat([{"role": "system", "content": "x"}]).text == ""
