@@ -181,7 +181,7 @@ def build_router(spec: RouterSpec, embedder: Embedder | Callable[[], Embedder] |
             from leanserve.embeddings import WordLlamaEmbedder
 
             embedder = WordLlamaEmbedder
-        if callable(embedder) and not hasattr(embedder, "embed"):
+        if isinstance(embedder, type) or not hasattr(embedder, "embed"):  # a class or a factory
             embedder = embedder()
         policy = LearnedPolicy(spec.cheap, spec.strong, embedder, easy, hard, **p)
         if strong_share is not None:
@@ -190,8 +190,6 @@ def build_router(spec: RouterSpec, embedder: Embedder | Callable[[], Embedder] |
         return policy
     except InvalidParameterError as exc:
         raise RouterConfigError(f"{spec.name}.{exc.param}", f"router {spec.name!r}: {exc}") from None
-    except TypeError as exc:  # a parameter of the wrong kind for the constructor
-        raise RouterConfigError(spec.name, f"router {spec.name!r}: {exc}") from None
 
 
 def _load_texts(path: str) -> list[str]:

@@ -48,3 +48,17 @@ def test_calibrated_share_holds_on_heldout(policy, split, share):
     got = float(np.mean(scores >= threshold))
     print(f"target {share:.2f}: threshold {threshold:.3f}, held-out share {got:.3f} of {len(scores)}")
     assert abs(got - share) <= 0.05
+
+
+def test_flag_with_the_default_embedder(split, tmp_path):
+    """``--model-router learned:FILE --strong-share 0.3``: WordLlama by default, calibrated on the examples (each
+    scored without itself)."""
+    from leanserve.routing import build_router, parse_router_flag
+
+    path = tmp_path / "examples.jsonl"
+    path.write_text("".join(json.dumps({"text": it["question"], "label": it["label"]}) + "\n"
+                            for it in split["examples"]))
+    policy = build_router(parse_router_flag(f"learned:{path}", "cheap", "strong", strong_share=0.3))
+    assert isinstance(policy.embedder, WordLlamaEmbedder)
+    assert float(np.mean(policy.example_scores() >= policy.threshold)) == pytest.approx(0.3, abs=0.01)
+    assert policy.decide(RouteInput("Compute (23 * 7) - 15 + 48.")).model == "strong"
