@@ -7,9 +7,9 @@ Each item: ``{"id", "split", "label", "category", "question", "answer", "check"}
   given sentence, one-digit sums) or ``"hard"`` (multi-step arithmetic, word problems, what a short program
   prints, counting letters, ordering by age, a lookup among four people's facts, copying 5-8 words), by
   construction of the category.
-- ``check``: how :func:`is_correct` grades an answer: ``"exact"`` (the first line, stripped of
-  spaces, quotes and a final period, equal ignoring case; ``"exact_case"``: the same, case included), ``"number"`` (the first number in the answer equals
-  ``answer``) or ``"yesno"`` (the first word is yes / no).
+- ``check``: how :func:`is_correct` grades an answer: ``"exact"`` (the first line, stripped of spaces, quotes and
+  a final period, equal ignoring case), ``"exact_case"`` (the same, case included), ``"number"`` (the first number
+  in the answer equals ``answer``) or ``"yesno"`` (the first word is yes / no).
 - ``split``: ``"examples"`` (the learned policy's labelled examples), ``"calibration"`` (its threshold, the cascade's
   logprob threshold) or ``"heldout"`` (everything the benchmark table and the share test report), 30 / 30 / 40 %,
   stratified by category.

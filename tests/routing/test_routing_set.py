@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from benchmarks.routing_data import SET_PATH, build, is_correct
-
 import pytest
+
+from benchmarks.routing_data import SET_PATH, build, is_correct
 
 
 def test_committed_set_is_the_generator_output():
