@@ -277,7 +277,9 @@ class ServerConfig:
 
     Raises:
         InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1, an unknown
-            log level, a negative limit or timeout, or an empty API key.
+            log level, a negative limit or timeout, an empty API key, a ``model_router`` of an unknown policy or a
+            ``strong_share`` outside [0, 1] (the router definitions themselves are checked by
+            ``leanserve.routing.build_router``).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
