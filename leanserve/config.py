@@ -21,6 +21,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ANSWER_CACHE_MODES = ("off", "exact", "semantic")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 REPLICA_ROUTERS = ("cache_aware", "round_robin", "power_of_two")  # --replica-router (entrypoints/ray_serve)
+ROUTER_POLICIES = ("rules", "learned", "cascade")  # --model-router POLICY[:ARG] (leanserve/routing)
 # --quantization: "auto" keeps GGUF Q4_0/Q4_1/Q8_0 matrices (embedding and output included) in their file layout
 # for leanserve's block kernels (or, without native kernels, the projections in torch's packed int4/int8 layouts)
 # and everything else in float; "none" dequantizes everything to the model dtype; "int8" and "int4" quantize
@@ -276,8 +277,9 @@ class ServerConfig:
 
     Raises:
         InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1, an unknown
-            log level, a negative limit or timeout, an empty API key, or ``answer_cache_similarity`` given while
-            ``answer_cache`` is not "semantic".
+            log level, a negative limit or timeout, an empty API key, ``answer_cache_similarity`` given while
+            ``answer_cache`` is not "semantic", a ``model_router`` of an unknown policy or a ``strong_share``
+            outside [0, 1] (the router definitions themselves are checked by ``leanserve.routing.build_router``).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -344,6 +346,16 @@ class ServerConfig:
     replica_router: str = option("cache_aware", "with --replicas > 1: which replica takes a request (cache_aware: "
                                  "the longest routed prompt prefix unless loads are imbalanced)",
                                  choices=REPLICA_ROUTERS)
+    # model routing (leanserve/routing): the virtual model "auto"
+    model_router: str | None = option(
+        None, "serve the virtual model 'auto', which picks a real model per request: rules, learned:EXAMPLES.jsonl "
+        "(lines {\"text\": ..., \"label\": \"easy\"|\"hard\"}) or cascade[:MIN_MEAN_LOGPROB]", metavar="POLICY")
+    strong_share: float | None = option(
+        None, "--model-router learned: calibrate its threshold so that this share of requests (0-1) goes to the "
+        "strong model (default: threshold 0.5)", type=float, metavar="SHARE")
+    model_routers_file: str | None = option(
+        None, "JSON or YAML file of named routers, each served as a virtual model: [{\"name\": ..., \"policy\": "
+        "\"rules\"|\"learned\"|\"cascade\", \"cheap\": MODEL, \"strong\": MODEL, ...parameters}]", metavar="PATH")
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, list | tuple):  # repeated --served-model-name; one stays a str
@@ -351,6 +363,14 @@ class ServerConfig:
             if any(not isinstance(n, str) or not n.strip() for n in names):
                 raise InvalidParameterError("served_model_name", "served_model_name must be a non-empty string")
             self.served_model_name = names[0] if len(names) == 1 else names
+        if self.model_router is not None and (not isinstance(self.model_router, str)
+                                              or self.model_router.split(":", 1)[0] not in ROUTER_POLICIES):
+            raise InvalidParameterError("model_router", f"model_router must be POLICY or POLICY:ARG with POLICY one "
+                                        f"of {', '.join(ROUTER_POLICIES)}; got {self.model_router!r}")
+        if self.strong_share is not None and (isinstance(self.strong_share, bool)
+                                              or not isinstance(self.strong_share, int | float)
+                                              or not 0.0 <= self.strong_share <= 1.0):
+            raise InvalidParameterError("strong_share", f"strong_share must be in [0, 1], got {self.strong_share!r}")
         for name in ("max_prompt_tokens", "max_context_tokens", "top_k_documents"):
             _check_int(name, getattr(self, name), 1, optional=True)
         _check_int("history_summary_tokens", self.history_summary_tokens, 0, optional=True)

@@ -57,3 +57,8 @@ class InvalidGrammarError(InvalidParameterError):
 
     def __init__(self, message: str, param: str = "structured_outputs") -> None:
         super().__init__(param, message)
+
+
+class RouterConfigError(InvalidParameterError):
+    """A model router definition (``--model-router``, ``--model-routers-file``, a labelled examples file) that is
+    invalid; ``param`` names the field (e.g. ``"routers[1].strong_share"``, ``"examples.jsonl:3.label"``)."""

@@ -54,6 +54,15 @@ GPU_MEMORY_RESERVED_BYTES = "leanserve:gpu_memory_reserved_bytes"
 # leanserve's answer cache: registered only with --answer-cache (so not in COUNTERS / HELP); read by `leanserve advise`
 ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter: deterministic requests looked up (--answer-cache)
 ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
+# model routing (leanserve/routing): registered only with --model-router / --model-routers-file
+ROUTER_LABEL = "router"  # the virtual model's name ("auto" or a named router)
+ROUTED_MODEL_LABEL = "model"  # the real model that answered
+ROUTER_REQUESTS = "leanserve:router_requests"  # counter (labels router, model): requests routed, by final model
+ROUTER_ESCALATIONS = "leanserve:router_escalations"  # counter (label router): cascade answers escalated
+ROUTER_HELP: dict[str, str] = {
+    ROUTER_REQUESTS: "Requests to a virtual router model, by the real model that answered.",
+    ROUTER_ESCALATIONS: "Cascade router: cheap answers judged too unsure and answered again by the strong model.",
+}
 
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
 COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES,

@@ -1,9 +1,8 @@
 """The semantic answer cache's matching: an embedding of the new question against those of cached questions
 asked in the same context, behind a lexical guard.
 
-- **Embedding**: WordLlama (``wordllama`` on PyPI, numpy only; the 256-dimension ``l2_supercat`` weights and its
-  tokenizer ship inside the package; loaded with downloads disabled, so nothing is fetched at run time), cosine
-  similarity of the L2-normalized vectors.
+- **Embedding**: WordLlama (:class:`leanserve.embeddings.WordLlamaEmbedder`, re-exported here: the weights ship
+  in the ``wordllama`` package, nothing is fetched at run time), cosine similarity of the L2-normalized vectors.
 - **Guard** (:func:`guard_signature`): a bag-of-words embedding barely moves when one word changes, yet "after
   30 days" / "after 60 days", "can I" / "can't I" and "to Canada" / "to Mexico" need other answers. Two
   questions may match only if they have the same numbers (digits, and number words as digits), the same count of
@@ -20,7 +19,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from leanserve.errors import ModelLoadError
+from leanserve.embeddings import WordLlamaEmbedder  # noqa: F401  (re-exported: its old home)
 
 import numpy as np
 
@@ -68,36 +67,6 @@ def guard_signature(text: str) -> tuple[tuple[str, ...], int, tuple[str, ...], t
         if (i > 0 and word[0].isupper() and word != "I") or any(c.isupper() for c in word[1:]):
             entities.add(word.lower())
     return tuple(numbers), negations, tuple(sorted(entities)), tuple(polarity)
-
-
-class WordLlamaEmbedder:
-    """Sentence embeddings from the ``wordllama`` package's bundled weights (no download).
-
-    Raises:
-        ModelLoadError: the package is not installed or its bundled files are missing.
-    """
-
-    def __init__(self) -> None:
-        try:
-            import pathlib
-
-            import wordllama
-            from wordllama import WordLlama
-        except ImportError as exc:  # pragma: no cover - a dependency of the project
-            raise ModelLoadError(f"the semantic answer cache needs the wordllama package: {exc}") from None
-        package = pathlib.Path(wordllama.__file__).parent  # its weights/ and tokenizers/ folders: no download
-        try:
-            self._model = WordLlama.load(cache_dir=package, disable_download=True)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load wordllama's bundled model: {exc}") from None
-        self._lock = threading.Lock()
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """(len(texts), 256) float32, each row of L2 norm 1 (0 for an empty text)."""
-        with self._lock:
-            v = np.asarray(self._model.embed(texts), dtype=np.float32)
-        norms = np.linalg.norm(v, axis=1, keepdims=True)
-        return v / np.where(norms == 0, 1.0, norms)
 
 
 class SemanticIndex:
