@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -35,6 +35,7 @@ from leanserve.entrypoints.openai.context_policies import ContextSettings
 from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, InternalErrorGuard, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
+from leanserve.entrypoints.openai.model_routing import build_routers, router_specs, serve_routed
 from leanserve.entrypoints.openai.models_config import (  # noqa: F401  (default_served_model_name: re-exported)
     ModelSpec,
     default_served_model_name,
@@ -67,6 +68,7 @@ from leanserve.entrypoints.openai.serving_common import (
 from leanserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from leanserve.entrypoints.openai.tenants import TENANT_KEY, TenantLimits, TenantRegistry
 from leanserve.errors import InvalidParameterError
+from leanserve.routing import RouterSpec
 from leanserve.structured.tools import render_messages
 
 import uvicorn
@@ -101,7 +103,8 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
               tenants: TenantRegistry | None = None, limits: RequestLimits | None = None,
               stall_timeout: float = 10.0, context: ContextSettings | None = None,
               answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0,
-              answer_cache_semantic: bool = False, answer_cache_similarity: float = 0.9) -> FastAPI:
+              answer_cache_semantic: bool = False, answer_cache_similarity: float = 0.9,
+              routers: Sequence[RouterSpec] = ()) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``, or several models: a
     mapping of served name -> engine (each its own engine thread and KV pool; ``served_model_name`` unused; the
     first is the default). Requests pick theirs by ``"model"`` (:class:`ServedModels`; unknown: 404).
@@ -115,6 +118,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
         answer_cache_bytes: size bound of the exact answer cache (``answer_cache.py``); None: no answer cache.
         answer_cache_ttl: seconds an answer stays valid in it.
         answer_cache_semantic: also match similar last user messages (at ``answer_cache_similarity``).
+        routers: router models (``model_routing.py``), each served as a virtual model name over two of the models.
 
     The app has one metrics registry (each model's series labelled ``model_name``; its metrics registered as an
     observer of its engine); its lifespan shuts the engines down when the server stops. Gate, limits and tenants
@@ -135,6 +139,9 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
                                cache))
     default = models.default
     engine, served_model_name, metrics = default.engine, default.name, default.metrics
+    served_routers = build_routers(routers, registry)
+    for r in served_routers.values():  # /tokenize and /detokenize of a router name use its cheap model's tokenizer
+        models.add_virtual(r.name, lambda registry, body, cheap=r.spec.cheap: registry.get(cheap))
     if tenants is None and api_key:
         tenants = TenantRegistry([("default", api_key, TenantLimits())])
     if tenants is not None:
@@ -153,6 +160,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
                   "/detokenize). Errors are OpenAI error envelopes.")
     app.state.engine = engine  # the default model's
     app.state.models = models
+    app.state.routers = served_routers
     app.state.metrics = metrics
     app.state.tenants = tenants
     app.state.limits = limits
@@ -162,7 +170,8 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
     app.add_middleware(ServerGate, engine=models if len(models) > 1 else engine, limits=limits, tenants=tenants)
     app.add_middleware(ArrivalTimeMiddleware)
     vocab = max(getattr(m.engine.tokenizer, "vocab_size", 0) or 0 for m in models) or None
-    openapi.install(app, served_model_name if len(models) == 1 else models.names, limits, vocab)
+    openapi.install(app, served_model_name if len(models) == 1 and not served_routers
+                    else models.names + list(served_routers), limits, vocab)
 
     def served(request_model: str | None, raw_request: Request, body: Any = None) -> ServedModel:
         """The request's model (404 envelope when unknown); its answer cache goes in ``request.state``."""
@@ -243,13 +252,17 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
 
     @app.get("/v1/models", dependencies=auth, responses=openapi.responses(ModelList, errors=(401, 503)))
     async def list_models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card(m) for m in models]).model_dump(mode="json"))
+        cards = [card(m) for m in models] + [ModelCard(id=r.name, owned_by="leanserve-router")
+                                             for r in served_routers.values()]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     # OpenAI's retrieve-model endpoint; left out of /openapi.json, whose path set the existing tests pin
     @app.get("/v1/models/{model_id:path}", dependencies=auth, include_in_schema=False)
     async def retrieve_model(model_id: str) -> JSONResponse:
         model = models.get(model_id)
         if model is None:
+            if model_id in served_routers:
+                return JSONResponse(ModelCard(id=model_id, owned_by="leanserve-router").model_dump(mode="json"))
             raise model_not_found(model_id)
         return JSONResponse(card(model).model_dump(mode="json"))
 
@@ -257,6 +270,10 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
               responses=openapi.responses(ChatCompletionResponse, ChatCompletionChunk, generation_errors))
     async def chat_completions(raw_request: Request) -> Response:
         req = await parse_body(raw_request, ChatCompletionRequest)
+        router = served_routers.get(req.model) if req.model else None
+        if router is not None:
+            return await serve_routed(router, req, raw_request, models,
+                                      lambda m, r: m.chat.create(r, raw_request))
         model = served(req.model, raw_request, req)
         return await model.chat.create(pinned(req, model), raw_request)
 
@@ -264,6 +281,10 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
               responses=openapi.responses(CompletionResponse, CompletionStreamResponse, generation_errors))
     async def completions(raw_request: Request) -> Response:
         req = await parse_body(raw_request, CompletionRequest)
+        router = served_routers.get(req.model) if req.model else None
+        if router is not None:
+            return await serve_routed(router, req, raw_request, models,
+                                      lambda m, r: m.completion.create(r, raw_request))
         model = served(req.model, raw_request, req)
         return await model.completion.create(pinned(req, model), raw_request)
 
@@ -421,6 +442,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
                         format="%(levelname)s %(name)s: %(message)s")
     specs = models or [ModelSpec(engine_config, sc.served_model_name)]
     names = served_names(specs)  # before anything loads: two models under one name fail at once
+    routers = router_specs(sc, names)  # before anything loads too
     defaults = TenantLimits(sc.tenant_max_concurrent, sc.tenant_requests_per_minute, sc.tenant_tokens_per_minute)
     tenants = TenantRegistry.from_config(sc.api_keys, sc.api_keys_file, defaults)  # before the model loads
     if tenants is not None:
@@ -435,7 +457,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
     llm_engines = [LLMEngine(s.engine) for s in specs]  # all loaded before any engine thread steps
     engines = {name: AsyncEngine(e, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout,
                                  step_lock=step_lock) for name, e in zip(names, llm_engines, strict=True)}
-    app = build_app(engines, tenants=tenants, **app_options(sc))
+    app = build_app(engines, tenants=tenants, routers=routers, **app_options(sc))
     served = app.state.models
     # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
     # pick up, so one server would behave differently with and without the extra

@@ -22,6 +22,7 @@ from leanserve.entrypoints.openai.protocol import (
     ContextUsage,
     DuplicateDocument,
     HistorySummaryUsage,
+    RouteUsage,
 )
 from leanserve.entrypoints.openai.serving_common import to_openai_error
 from leanserve.errors import InvalidParameterError
@@ -62,6 +63,7 @@ class RequestContext:
     summary_reason: str | None = None
     summary_prompt_tokens: int = 0
     summary_completion_tokens: int = 0
+    route: RouteUsage | None = None  # a router model's decision (model_routing.py)
 
     def admitted(self, num_rendered: int, num_admitted: int, truncate: int | None) -> None:
         """Record what admission's ``truncate_prompt_tokens`` cut from the rendered prompt."""
@@ -72,7 +74,7 @@ class RequestContext:
             self.prompt_tokens_sent = num_rendered
 
     def report(self, prompt_tokens: int, cached_tokens: int) -> ContextUsage | None:
-        if not self.active and self.cache is None:
+        if not self.active and self.cache is None and self.route is None:
             return None
         dups = [DuplicateDocument(id=k, duplicate_of=v) for k, v in self.documents_duplicates.items()]
         return ContextUsage(
@@ -81,7 +83,7 @@ class RequestContext:
             truncated_tokens=self.truncated_tokens, dropped_messages=self.dropped_messages,
             documents_used=self.documents_used, documents_dropped=self.documents_dropped,
             documents_duplicates=dups if self.documents_used is not None else None, cache=self.cache,
-            history_summary=self._summary())
+            history_summary=self._summary(), route=self.route)
 
     def _summary(self) -> HistorySummaryUsage | None:
         if self.summary_status is None or self.summary_status == "pending":

@@ -305,6 +305,17 @@ class HistorySummaryUsage(ResponseModel):
     reason: str | None = None  # why it was skipped or failed
 
 
+class RouteUsage(ResponseModel):
+    """Which router model decided what (``usage.leanserve.route``; ``--model-router``, ``--model-routers-file``)."""
+
+    router: str  # the virtual model the request named ("auto" or a named router)
+    policy: str  # rules, learned or cascade
+    model: str  # the served model that answered (also the response's model)
+    reason: str  # why, in words
+    score: float | None = None  # learned: the hardness score; cascade: the cheap answer's mean token logprob
+    escalated_from: str | None = None  # cascade: the cheap model whose answer was judged too unsure
+
+
 class ContextUsage(ResponseModel):
     """leanserve's report of the context policies and the answer cache (``usage.leanserve``); present when a
     policy or the answer cache applied to the request."""
@@ -318,6 +329,7 @@ class ContextUsage(ResponseModel):
     documents_duplicates: list[DuplicateDocument] | None = None  # exact or near duplicates removed
     history_summary: HistorySummaryUsage | None = None  # the dropped turns' summary (history_summary_tokens)
     cache: Literal["hit", "miss", "bypass"] | None = None  # the answer cache's verdict (None: cache off)
+    route: RouteUsage | None = None  # the router's decision, for a request sent to a router model
 
 
 class UsageInfo(ResponseModel):

@@ -131,6 +131,7 @@ class OpenAIServingChat:
                 summarizer_of(raw_request, self.engine, self.model_name), ctx,
                 summary_tokens_of(req, settings_of(raw_request)),
                 lambda text: self.render_prompt(req, raw_request, plan.tools, text), prompt_ids)
+        ctx.route = getattr(raw_request.state, "route", None)  # sent to a router model (model_routing.py)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)
         ctx.admitted(len(prompt_ids), len(admitted[0].prompt_token_ids), params.truncate_prompt_tokens)

@@ -94,7 +94,7 @@ class OpenAIServingCompletion:
         params = with_prompt_logprobs(params, num_prompt_lp,
                                       "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
         admitted = admit_all(self.engine, prompts, params, names)
-        ctx = RequestContext()
+        ctx = RequestContext(route=getattr(raw_request.state, "route", None))  # a router's decision, if any
         if params.truncate_prompt_tokens is not None:
             sent = [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
             ctx.admitted(sum(sent), sum(len(a.prompt_token_ids) for a in admitted), params.truncate_prompt_tokens)
