@@ -63,6 +63,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "answer cache off vs on (the server needs --answer-cache; rates from --sweep)")
     p.add_argument("--top-k-documents", type=int, default=3, help="--compare documents: passages kept when on")
     p.add_argument("--zipf-s", type=float, default=1.0, help="--compare answer-cache: Zipf exponent of the draw")
+    p.add_argument("--unique-share", type=float, default=0.3,
+                   help="--compare answer-cache: share of requests with a question of their own (never cached)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="--compare answer-cache: measure from cold caches (default: one request per FAQ first)")
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
@@ -155,7 +159,8 @@ def _run_compare(args: argparse.Namespace, config: BenchConfig, corpus: Corpus, 
         if not config.slos:
             raise ValueError("--compare answer-cache needs --goodput SLOs (e.g. ttft:2000) for the sustained rate")
         rows = context_compare.compare_answer_cache(config, corpus, args.num_prompts, args.seed, rates or [math.inf],
-                                                    args.slo_attainment_goal, args.zipf_s, count_tokens)
+                                                    args.slo_attainment_goal, args.zipf_s, count_tokens,
+                                                    args.unique_share, not args.no_warmup)
         failed = sum(x["failed"] for r in rows.values() for x in r["runs"])
     context_compare.write(args.result_json, {"compare": args.compare, "rows": rows})
     return 0 if failed == 0 else 1

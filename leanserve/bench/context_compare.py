@@ -10,12 +10,15 @@
   accuracy (the expected answer appears in the reply, case-insensitive).
 - ``answer-cache`` (customer-service, answer cache on vs off; the server must run with ``--answer-cache``):
   :func:`faq_requests` writes 50 FAQ questions (shared system prompt, the FAQ entry, the question); each run
-  draws the same requests from a Zipf distribution over them (rank k with weight 1 / k^s, s = 1.0). *Off* sends
-  ``cache: false``. At each rate of the sweep, off runs and then on (back to back, so that both meet the same
-  machine load); each run starts cold (its system prompt names the
-  run, with a number unique to the invocation, so no run reuses another's cache entries or prefix blocks, not
-  even those of an earlier invocation against the same server). Reported per rate: the hit rate, p50/p99 TTFT
-  and the SLO attainment; then the highest rate at which every rate up to it met the attainment goal.
+  draws the same requests from a Zipf distribution over them (rank k with weight 1 / k^s, s = 1.0), and a share
+  of them (30 % by default) asks a question of its own about its FAQ entry (an order number added), which no
+  cache answers (:func:`customer_requests`). *Off* sends ``cache: false``. At each rate of the sweep, off runs and
+  then on (back to back, so that both meet the same machine load), each after a warm-up of one request per FAQ:
+  the steady state of a help desk, not its cold start (``--no-warmup`` measures from cold). Each run has prompts
+  of its own (its system prompt names the run, with a number unique to the invocation, so no run reuses
+  another's cache entries or prefix blocks, not even those of an earlier invocation against the same server).
+  Reported per rate: the hit rate, p50/p99 TTFT and the SLO attainment; then the highest rate at which every
+  rate up to it met the attainment goal.
 """
 
 from __future__ import annotations
@@ -115,6 +118,24 @@ def faq_requests(corpus: Corpus, run: int, num_faqs: int = 50, max_tokens: int =
     return out
 
 
+def customer_requests(faqs: Sequence[BenchRequest], n: int, s: float, unique_share: float, seed: int,
+                      count: Callable[[str], int]) -> list[BenchRequest]:
+    """``n`` requests of a help desk: each a Zipf draw over ``faqs`` (:func:`zipf_draw`); a share ``unique_share``
+    of them (seeded) asks its FAQ entry a question of its own (the customer's order number added: a prompt no
+    other request has, so never an exact cache hit), the others repeat the FAQ request exactly."""
+    rng = random.Random(f"unique/{seed}")
+    out = []
+    for i, r in enumerate(zipf_draw(faqs, n, s, seed)):
+        if rng.random() < unique_share:
+            system, user = r.messages[0]["content"], r.messages[1]["content"]
+            user = f"{user} My order number is {rng.randint(10_000, 99_999)}-{i}."
+            text = f"{system}\n\n{user}"
+            r = BenchRequest([{"role": "system", "content": system}, {"role": "user", "content": user}], text,
+                             count(text), r.max_tokens, dict(r.extra))
+        out.append(r)
+    return out
+
+
 def zipf_draw(items: Sequence[Any], n: int, s: float, seed: int) -> list[Any]:
     """``n`` items drawn with replacement, rank k (1-based, in ``items`` order) with weight 1 / k^s."""
     rng = random.Random(f"zipf/{seed}")
@@ -146,19 +167,29 @@ def compare_documents(config: BenchConfig, corpus: Corpus, n: int, seed: int, to
 
 
 def compare_answer_cache(config: BenchConfig, corpus: Corpus, n: int, seed: int, rates: Sequence[float],
-                         goal: float, zipf_s: float = 1.0, count_tokens: Callable[[str], int] | None = None
-                         ) -> dict[str, Any]:
-    """Run customer-service at every rate, the answer cache off then on at each; returns the table's rows."""
+                         goal: float, zipf_s: float = 1.0, count_tokens: Callable[[str], int] | None = None,
+                         unique_share: float = 0.3, warmup: bool = True) -> dict[str, Any]:
+    """Run customer-service at every rate, the answer cache off then on at each; returns the table's rows.
+
+    With ``warmup`` each measured run follows one request per FAQ (its own run's, all at once, not measured): the
+    steady state of a help desk whose frequent questions were asked before (on: the answer cache holds them;
+    off: the prefix cache does), rather than a cold start. ``unique_share``: see :func:`customer_requests`."""
     import dataclasses
 
+    if not 0.0 <= unique_share <= 1.0:
+        raise ValueError(f"--unique-share must be in [0, 1], got {unique_share}")
     variants = (("answer cache off", {"cache": False}), ("answer cache on", {}))
     per_rate: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     run_index = time.time_ns() // 1000 % 10**9  # runs of this invocation never meet a cache an earlier one filled
+    count = corpus.count
     for i, rate in enumerate(rates):
         for name, extra in variants:  # off and on back to back at each rate: both see the same machine load
             run_index += 1
-            faqs = faq_requests(corpus, run=run_index)
-            reqs = [dataclasses.replace(r, extra=dict(extra)) for r in zipf_draw(faqs, n, zipf_s, seed)]
+            faqs = [dataclasses.replace(r, extra=dict(extra)) for r in faq_requests(corpus, run=run_index)]
+            if warmup:
+                run_benchmark(dataclasses.replace(config, request_rate=math.inf, slos={}), faqs,
+                              f"customer-service {name} warm-up", count_tokens)
+            reqs = customer_requests(faqs, n, zipf_s, unique_share, seed, count)
             cfg = dataclasses.replace(config, request_rate=rate, seed=config.seed + i)
             run = run_benchmark(cfg, reqs, f"customer-service {name} rate={rate:g}", count_tokens)
             hits = sum(r.answer_cache == "hit" for r in run.results)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from leanserve.bench.client import build_payload
-from leanserve.bench.context_compare import faq_requests, qa_requests, qa_set, zipf_draw
+from leanserve.bench.context_compare import customer_requests, faq_requests, qa_requests, qa_set, zipf_draw
 from leanserve.context import select_passages
 
 
@@ -44,9 +44,23 @@ def test_faq_draw_is_zipf(corpus):
     assert counts[0] > counts[9] > counts[49]
 
 
+def test_customer_requests_mix_repeats_and_questions_of_their_own(corpus):
+    faqs = faq_requests(corpus, run=3)
+    reqs = customer_requests(faqs, 400, 1.0, 0.3, seed=0, count=corpus.count)
+    assert reqs == customer_requests(faqs, 400, 1.0, 0.3, seed=0, count=corpus.count)  # reproducible
+    faq_prompts = {r.prompt for r in faqs}
+    unique = [r for r in reqs if r.prompt not in faq_prompts]
+    assert 0.25 < len(unique) / len(reqs) < 0.35
+    assert len({r.prompt for r in unique}) == len(unique)  # never the same twice
+    assert all("My order number is" in r.messages[1]["content"] and r.prompt_len == corpus.count(r.prompt)
+               for r in unique)
+    assert all(r in faqs for r in reqs if r.prompt in faq_prompts)  # the others repeat their FAQ exactly
+    assert customer_requests(faqs, 50, 1.0, 0.0, seed=0, count=corpus.count) == zipf_draw(faqs, 50, 1.0, seed=0)
+
+
 def test_answer_cache_sweep_runs_off_and_on_back_to_back(corpus, monkeypatch):
-    """At each rate off runs, then on (same machine load for both); each variant's sustained rate comes from its
-    own attainments; hits are counted from the responses."""
+    """At each rate off runs, then on (same machine load for both), each after its warm-up of one request per FAQ;
+    each variant's sustained rate comes from its own attainments; hits are counted from the responses."""
     from types import SimpleNamespace
 
     from leanserve.bench import context_compare
@@ -57,20 +71,26 @@ def test_answer_cache_sweep_runs_off_and_on_back_to_back(corpus, monkeypatch):
 
     def fake_run(cfg, reqs, label, count_tokens):
         variant = "off" if "off" in label else "on"
-        calls.append((variant, cfg.request_rate, reqs[0].extra.get("cache"), reqs[0].prompt))
+        calls.append((variant, "warm-up" in label, cfg.request_rate, len(reqs), reqs[0].extra.get("cache")))
         results = [SimpleNamespace(answer_cache="hit" if variant == "on" and i % 2 else "miss")
                    for i in range(len(reqs))]
         metrics = SimpleNamespace(latency={"median_ttft_ms": 1.0, "p99_ttft_ms": 2.0}, failed=0,
-                                  slo_attainment=attainment[(variant, cfg.request_rate)])
+                                  slo_attainment=attainment.get((variant, cfg.request_rate)))
         return SimpleNamespace(results=results, metrics=metrics)
 
     monkeypatch.setattr(context_compare, "run_benchmark", fake_run)
     rows = context_compare.compare_answer_cache(BenchConfig(base_url="http://x", slos={"ttft": 3000}), corpus,
                                                 n=10, seed=0, rates=[2.0, 4.0], goal=0.9)
-    assert [(v, r, c) for v, r, c, _ in calls] == [("off", 2.0, False), ("on", 2.0, None), ("off", 4.0, False),
-                                                   ("on", 4.0, None)]
-    assert len({p for *_, p in calls}) == 4  # every run has its own cold prompts
+    inf = float("inf")
+    assert calls == [("off", True, inf, 50, False), ("off", False, 2.0, 10, False),
+                     ("on", True, inf, 50, None), ("on", False, 2.0, 10, None),
+                     ("off", True, inf, 50, False), ("off", False, 4.0, 10, False),
+                     ("on", True, inf, 50, None), ("on", False, 4.0, 10, None)]
     assert rows["answer cache off"]["max_sustained_rate"] == 2.0
     assert rows["answer cache on"]["max_sustained_rate"] == 4.0
     assert [x["hit_rate"] for x in rows["answer cache on"]["runs"]] == [0.5, 0.5]
     assert [x["hit_rate"] for x in rows["answer cache off"]["runs"]] == [0.0, 0.0]
+    calls.clear()
+    context_compare.compare_answer_cache(BenchConfig(base_url="http://x", slos={"ttft": 3000}), corpus, n=10,
+                                         seed=0, rates=[2.0], goal=0.9, warmup=False)
+    assert [c[:2] for c in calls] == [("off", False), ("on", False)]

@@ -183,6 +183,16 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
         """``req`` naming ``model`` itself (a virtual name resolved to it), as the serving objects check."""
         return req if req.model is None or req.model == model.name else req.model_copy(update={"model": model.name})
 
+    async def generate(raw_request: Request, request_type: type, create: Callable) -> Response:
+        """Parse a chat / completion request and serve it by the model it names, or by its router's choice;
+        ``create(model, req)`` runs the model's serving object."""
+        req = await parse_body(raw_request, request_type)
+        router = served_routers.get(req.model) if req.model else None
+        if router is not None:
+            return await serve_routed(router, req, raw_request, models, create)
+        model = served(req.model, raw_request, req)
+        return await create(model, pinned(req, model))
+
     async def require_api_key(request: Request) -> None:
         if tenants is None:
             return
@@ -269,24 +279,12 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
     @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=openapi.request_body(ChatCompletionRequest),
               responses=openapi.responses(ChatCompletionResponse, ChatCompletionChunk, generation_errors))
     async def chat_completions(raw_request: Request) -> Response:
-        req = await parse_body(raw_request, ChatCompletionRequest)
-        router = served_routers.get(req.model) if req.model else None
-        if router is not None:
-            return await serve_routed(router, req, raw_request, models,
-                                      lambda m, r: m.chat.create(r, raw_request))
-        model = served(req.model, raw_request, req)
-        return await model.chat.create(pinned(req, model), raw_request)
+        return await generate(raw_request, ChatCompletionRequest, lambda m, r: m.chat.create(r, raw_request))
 
     @app.post("/v1/completions", dependencies=auth, openapi_extra=openapi.request_body(CompletionRequest),
               responses=openapi.responses(CompletionResponse, CompletionStreamResponse, generation_errors))
     async def completions(raw_request: Request) -> Response:
-        req = await parse_body(raw_request, CompletionRequest)
-        router = served_routers.get(req.model) if req.model else None
-        if router is not None:
-            return await serve_routed(router, req, raw_request, models,
-                                      lambda m, r: m.completion.create(r, raw_request))
-        model = served(req.model, raw_request, req)
-        return await model.completion.create(pinned(req, model), raw_request)
+        return await generate(raw_request, CompletionRequest, lambda m, r: m.completion.create(r, raw_request))
 
     @app.post("/tokenize", dependencies=auth, openapi_extra=openapi.request_body(TokenizeRequest),
               responses=openapi.responses(TokenizeResponse, errors=(400, 401, 404, 413, 503)))
