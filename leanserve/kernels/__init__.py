@@ -25,7 +25,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
+            "decode_layers.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -112,7 +113,9 @@ def native_ops() -> ModuleType | None:
     * ``block_quant_gemm``, ``block_dequantize`` (block_quant_gemm.cpp): GGUF Q4_0/Q4_1/Q8_0 weights in their
       file layout;
     * ``kquant_gemm``, ``kquant_dequantize`` (kquant_gemm.cpp): GGUF Q4_K / Q6_K weights in their file bytes;
-    * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row.
+    * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row;
+    * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,
+      bitwise equal to the per-op path (leanserve/model/fused_decode.py builds it).
     """
     if os.environ.get(_DISABLE_ENV):
         return None
