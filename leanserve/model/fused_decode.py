@@ -15,15 +15,12 @@ on steps that hold decodes only (one decode group; prefill chunks take the per-o
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from leanserve.model.attention import AttentionMetadata, KVCache
 from leanserve.quantization.weights import BlockQuantWeight
 
 import torch
-
-if TYPE_CHECKING:
-    from leanserve.model.llama import LlamaModel
 
 FUSED_DECODE_ENV = "LEANSERVE_FUSED_DECODE"
 _EMPTY = torch.empty(0)
@@ -38,7 +35,8 @@ def fused_decode_enabled() -> bool:
 class FusedDecode:
     """The compiled decoder layers of one model (see the module docstring). Build with :meth:`build`."""
 
-    def __init__(self, model: LlamaModel, ext: Any) -> None:
+    def __init__(self, model: Any, ext: Any) -> None:
+        """``model``: a :class:`leanserve.model.llama.LlamaModel` (not imported here: it imports this module)."""
         cfg = model.config
         layers, bits = [], []
         for layer in model.layers:
@@ -56,7 +54,7 @@ class FusedDecode:
         self._caches: list[tuple[KVCache, KVCache]] | None = None
 
     @classmethod
-    def build(cls, model: LlamaModel) -> FusedDecode | None:
+    def build(cls, model: Any) -> FusedDecode | None:
         """The fused layers of ``model``, or None where they do not apply (not float32 on CPU with the native
         kernels, a projection that is not a lane-layout :class:`BlockQuantWeight`, an extension without
         ``DecodeLayers``, or ``$LEANSERVE_FUSED_DECODE`` off)."""
