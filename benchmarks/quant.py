@@ -35,6 +35,7 @@ from benchmarks.common import corpus_text, find_llama_server, peer_env, write_js
 CONFIGS = {"fp32": ("none", True), "int8": ("int8", True), "int4 (native Q4_1)": ("auto", True),
            "Q4_1, torch kernels": ("auto", False)}
 KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 512)
+PER_OP = "Q4_1, per-op path"  # --b1-only: native Q4_1 with the fused decode off
 
 
 def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
@@ -198,6 +199,12 @@ def b1_main(args: argparse.Namespace) -> None:
     prompt = [ids[1000:1016]]
     llms = {n: LLM(loaded=loaded, quantization=CONFIGS[n][0], kv_cache_memory=args.kv_cache_memory,
                    use_native_kernels=CONFIGS[n][1], num_threads=args.threads) for n in names}
+    if "int4 (native Q4_1)" in llms:  # the same weights and kernels on the per-op path (fused decode off)
+        per_op = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory,
+                     num_threads=args.threads)
+        per_op.engine.runner.model.fused_decode = None
+        llms[PER_OP] = per_op
+        names.append(PER_OP)
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompt, 4)
     raw: dict[str, list[float]] = {n: [] for n in [*names, "llama.cpp"]}
