@@ -277,6 +277,18 @@ inline __m256i bcast_pair(const int16_t* p) {  // xq[k], xq[k + 1] in every int3
 }
 #endif
 
+#ifdef LS_AVX2
+// Software prefetch of the weights kLaneAhead blocks ahead of block b (the tile's blocks, then the next tile's, are
+// contiguous). A decode step streams ~97 MB of weights from DRAM; the hardware prefetcher alone left one thread at
+// ~2/3 of the bandwidth it reaches with this (benchmarks.step_profile / benchmarks.quant --b1-only).
+constexpr int64_t kLaneAhead = 4;
+template <int64_t kBlockBytes>
+inline void prefetch_ahead(const uint8_t* wl, int64_t b) {
+  const char* ahead = reinterpret_cast<const char*>(wl + (b + kLaneAhead) * 8 * kBlockBytes);
+  for (int64_t c = 0; c < 8 * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+}
+#endif
+
 #if defined(LS_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LS_AVX512_LANE 1
 // lane_tile for one row with 512-bit registers: one zmm holds two pairs (p, p + 1) of a group's 8 outputs (lanes
@@ -294,6 +306,7 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_ahead<kBlockBytes>(wl, b);
     const __m512i xb = _mm512_loadu_si512(xq + b * kBlock);  // the block's 16 pairs
     __m512i xv[kBits == 4 ? 8 : 8];
     for (int j = 0; j < kPairs; ++j) {  // pairs (2j, 2j + 1); for 4-bit also (8 + 2j, 9 + 2j), the high nibbles
@@ -348,6 +361,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
     for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch_ahead<kBlockBytes>(wl, b);
     const int16_t* xb = xq + b * kBlock;
     for (int g0 = 0; g0 < 8; g0 += S) {
       const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
