@@ -298,7 +298,7 @@ inline void prefetch_ahead(const uint8_t* wl, int64_t b) {
 // result is bitwise equal to it, in half the multiply-add instructions.
 template <int kBits>
 inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
-                              const int16_t* xq, const float* dx, const float* xs, float* y) {
+                              const int16_t* xq, const float* dx, const float* xs, float* y, bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
   constexpr int kPairs = kBits == 4 ? 4 : 8;  // zmm loads per group and block (two pairs each)
   __m256 acc[8];
@@ -306,7 +306,7 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_ahead<kBlockBytes>(wl, b);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
     const __m512i xb = _mm512_loadu_si512(xq + b * kBlock);  // the block's 16 pairs
     __m512i xv[kBits == 4 ? 8 : 8];
     for (int j = 0; j < kPairs; ++j) {  // pairs (2j, 2j + 1); for 4-bit also (8 + 2j, 9 + 2j), the high nibbles
@@ -346,11 +346,12 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
 // sums and their weights would not fit in registers otherwise); the fp32 sums of the 8 groups live in acc.
 template <int kBits, int T>
 inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
-                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N) {
+                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
+                      bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;  // one block of 8 outputs
 #ifdef LS_AVX512_LANE
   if constexpr (T == 1) {
-    lane_tile1_avx512<kBits>(wl, dl, ml, nb, xq, dx, xs, y);
+    lane_tile1_avx512<kBits>(wl, dl, ml, nb, xq, dx, xs, y, prefetch);
     return;
   }
 #endif
@@ -361,7 +362,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
     for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_ahead<kBlockBytes>(wl, b);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
     const int16_t* xb = xq + b * kBlock;
     for (int g0 = 0; g0 < 8; g0 += S) {
       const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
@@ -462,10 +463,11 @@ void lane_gemm_impl(const int16_t* xq, const float* dx, const float* xs, int64_t
         const float* dxt = dx + m0 * nb;
         const float* xst = xs + m0 * nb;
         float* yt = y + m0 * N + t * 64;
+        const bool first = m0 == mb * mrows;  // the task's first pass streams the tile: prefetch it then only
         switch (std::min<int64_t>(3, m_end - m0)) {
-          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
-          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
-          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
+          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
+          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
+          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
         }
       }
     }
