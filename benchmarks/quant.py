@@ -8,7 +8,10 @@ GEMM, which a matrix whose width is not a multiple of 64 runs; torch's packed in
 The engines are measured round-robin (repeat 1 of every config, then repeat 2, ...) so that load from other
 processes on this shared machine hits them alike; medians are reported. Usage:
     .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512] [--no-llama-cpp]
-Writes benchmarks/results/quant.json and prints a table.
+        [--threads 2] [--b1-only] [--configs "int4 (native Q4_1)"]
+``--threads`` sets both engines' threads; ``--b1-only`` measures single-stream decode only (llama.cpp's
+``llama-bench`` tg and leanserve's, alternating per repeat) for the configs of ``--configs`` (comma-separated names;
+default: all). Writes benchmarks/results/quant.json and prints a table.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from benchmarks.common import corpus_text, find_llama_server, peer_env, write_js
 CONFIGS = {"fp32": ("none", True), "int8": ("int8", True), "int4 (native Q4_1)": ("auto", True),
            "Q4_1, torch kernels": ("auto", False)}
 KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 512)
+PER_OP = "Q4_1, per-op path"  # --b1-only: native Q4_1 with the fused decode off
 
 
 def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
@@ -91,22 +95,25 @@ def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
     return len(ids) / out.metrics.prefill_time
 
 
-def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int) -> dict:
-    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp) and ``llama-batched-bench`` (tg at 32)."""
+def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int, threads: int = 2, b1_only: bool = False) -> dict:
+    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp) and ``llama-batched-bench`` (tg at 32); with
+    ``b1_only``, tg at batch 1 alone."""
     server = find_llama_server(None)
     if server is None:
         return {"error": "llama.cpp binaries not found (build them as benchmarks/README.md says)"}
     bin_dir = Path(server).parent
     res: dict = {}
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", str(prefill_tokens), "-n",
-                          str(decode_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=900,
-                         env=peer_env())
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-p",
+                          "0" if b1_only else str(prefill_tokens), "-n", str(decode_tokens), "-r", "3", "-o", "json"],
+                         capture_output=True, text=True, timeout=900, env=peer_env())
     for row in json.loads(out.stdout or "[]"):
         key = "decode_b1_tok_s" if row.get("n_gen") else "prefill_tok_s"
         res[key] = row["avg_ts"]
-    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", "2", "-c", "8192", "-b", "2048",
-                          "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32", "--output-format",
-                          "jsonl"], capture_output=True, text=True, timeout=900, env=peer_env())
+    if b1_only:
+        return res
+    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", "8192", "-b",
+                          "2048", "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32",
+                          "--output-format", "jsonl"], capture_output=True, text=True, timeout=900, env=peer_env())
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
@@ -121,19 +128,24 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes of KV pool per engine")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    ap.add_argument("--b1-only", action="store_true", help="single-stream decode only, alternating with llama.cpp")
+    ap.add_argument("--configs", default="", help="comma-separated leanserve configs (default: all)")
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     args = ap.parse_args()
+    if args.b1_only:
+        return b1_main(args)
 
     # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet)
     peer = {} if args.no_llama_cpp else llama_cpp(str(default_model_path()), args.decode_tokens,
-                                                  args.prefill_tokens)
+                                                  args.prefill_tokens, args.threads)
     loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
     tok = loaded.tokenizer
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
     long_ids = ids[:args.prefill_tokens]
     prompts = [ids[1000 + 16 * i:1000 + 16 * (i + 1)] for i in range(32)]
-    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk)
-            for name, (q, nk) in CONFIGS.items()}
+    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk,
+                      num_threads=args.threads) for name, (q, nk) in CONFIGS.items()}
     raw: dict[str, dict[str, list[float]]] = {n: {"decode_b1": [], "decode_b32": [], "prefill": []} for n in llms}
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompts[:1], 4)
@@ -163,7 +175,7 @@ def main() -> None:
         print(f"{'llama.cpp Q4_1':<22}{peer['decode_b1_tok_s']:>11.1f}{peer.get('decode_b32_tok_s') or 0:>12.1f}"
               f"{peer.get('prefill_tok_s', 0):>10.1f}")
         ratio = results["int4 (native Q4_1)"]["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
-        print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 0.75x)")
+        print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 1.3x with AVX-512, 1.2x AVX2)")
         peer["leanserve_q4_1_b1_ratio"] = ratio
     else:
         print(f"llama.cpp: {peer}")
@@ -174,6 +186,44 @@ def main() -> None:
         print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in KERNEL_ROWS))
     write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,
                           "kv_cache": kv, "kernel_ms": kernels})
+
+
+def b1_main(args: argparse.Namespace) -> None:
+    """Single-stream decode of leanserve's configs beside llama.cpp's ``llama-bench`` tg, in turns per repeat (so
+    that load from other processes hits them alike), at ``args.threads`` threads; medians."""
+    from leanserve.kernels import kernel_isa
+
+    names = [n.strip() for n in args.configs.split(",") if n.strip()] or list(CONFIGS)
+    loaded = load_model(None, quantization="auto")
+    ids = loaded.tokenizer.encode(corpus_text(20_000), add_special_tokens=False)
+    prompt = [ids[1000:1016]]
+    llms = {n: LLM(loaded=loaded, quantization=CONFIGS[n][0], kv_cache_memory=args.kv_cache_memory,
+                   use_native_kernels=CONFIGS[n][1], num_threads=args.threads) for n in names}
+    if "int4 (native Q4_1)" in llms:  # the same weights and kernels on the per-op path (fused decode off)
+        per_op = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory,
+                     num_threads=args.threads)
+        per_op.engine.runner.model.fused_decode = None
+        llms[PER_OP] = per_op
+        names.append(PER_OP)
+    for llm in llms.values():  # warm-up
+        decode_tok_s(llm, prompt, 4)
+    raw: dict[str, list[float]] = {n: [] for n in [*names, "llama.cpp"]}
+    for rep in range(args.repeats):
+        if not args.no_llama_cpp:
+            peer = llama_cpp(str(default_model_path()), args.decode_tokens, 0, args.threads, b1_only=True)
+            raw["llama.cpp"].append(peer.get("decode_b1_tok_s", float("nan")))
+        for name, llm in llms.items():
+            raw[name].append(decode_tok_s(llm, prompt, args.decode_tokens))
+        print(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in raw.items() if v), flush=True)
+    med = {k: statistics.median(v) for k, v in raw.items() if v}
+    print(f"\ndecode b1 tok/s, {args.threads} threads, kernel ISA {kernel_isa()} (medians of {args.repeats}):")
+    for k, v in med.items():
+        ratio = f"  {v / med['llama.cpp']:.2f}x llama.cpp" if "llama.cpp" in med and k != "llama.cpp" else ""
+        print(f"  {k:<22}{v:>8.1f}{ratio}")
+    write_json(args.out, {"mode": "b1-only", "threads": args.threads, "kernel_isa": kernel_isa(), "raw": raw,
+                          "decode_b1_tok_s": med,
+                          "ratio_to_llama_cpp": {k: v / med["llama.cpp"] for k, v in med.items()
+                                                 if "llama.cpp" in med and k != "llama.cpp"}})
 
 
 if __name__ == "__main__":

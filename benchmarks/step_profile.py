@@ -1,7 +1,10 @@
 """Where a decode step's time goes: one stream (or ``--batch`` streams) of the default model, each step split into
 the scheduler, the input tensors, the forward pass (native GEMMs per projection, the paged attention kernel, the
 fused add+RMSNorm and RoPE, and the rest: torch ops and Python between them), the logits (output matrix), the
-sampler and the output processing, per layer where it applies. Usage:
+sampler and the output processing, per layer where it applies. Where the fused decode applies
+(leanserve/model/fused_decode.py: the layers in one native call, the default for GGUF Q4/Q8 on CPU), it reports the
+step with it ("plain"), the step on the per-op path, the fused call's own time, and the breakdown of the per-op
+path (whose kernels are the same). Usage:
 
     .venv/bin/python -m benchmarks.step_profile [--batch 1] [--steps 64] [--threads 2]
 
@@ -110,8 +113,19 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/step_profile.json")
     args = ap.parse_args()
     llm = LLM(loaded=load_model(None, quantization="auto"), kv_cache_memory=64 << 20, num_threads=args.threads)
+    model = llm.engine.runner.model
+    fused = model.fused_decode
     decode_steps(llm, args.batch, 8, None)  # warm-up
     plain = statistics.median(decode_steps(llm, args.batch, args.steps, None))
+    fused_forward = None
+    if fused is not None:  # the fused decode's forward alone (timed around its one native call)
+        fclock = Clock()
+        fused.forward = fclock.wrap("forward", fused.forward)
+        decode_steps(llm, args.batch, args.steps, fclock)
+        fused_forward = fclock.seconds["forward"] / args.steps
+        del fused.forward
+    model.fused_decode = None  # the per-op path, whose kernels the breakdown times one by one
+    per_op = statistics.median(decode_steps(llm, args.batch, args.steps, None))
     clock = Clock()
     instrument(llm, clock)
     wrapped_steps = decode_steps(llm, args.batch, args.steps, clock)
@@ -121,22 +135,28 @@ def main() -> None:
     per_step = {name: s / steps for name, s in clock.seconds.items()}
     calls = {name: c / steps for name, c in clock.calls.items()}
     gemm = sum(v for k, v in per_step.items() if k.startswith("gemm "))
-    fused = sum(v for k, v in per_step.items() if k.startswith("fused."))
+    fused_t = sum(v for k, v in per_step.items() if k.startswith("fused."))
     attn = per_step.get("attention kernel", 0.0)
     forward = per_step["forward"]
-    rest_forward = forward - gemm - fused - attn
+    rest_forward = forward - gemm - fused_t - attn
     step_total = sum(per_step[k] for k in ("scheduler", "forward") if k in per_step) + sum(
         per_step.get(k, 0.0) for k in ("logits (output matrix)", "sampler", "scheduler update", "output processing"))
     rows = [(k, per_step[k], calls[k]) for k in sorted(per_step) if k.startswith("gemm ")]
     rows += [("attention kernel", attn, calls.get("attention kernel", 0)),
-             ("fused add+RMSNorm, RoPE", fused, sum(v for k, v in calls.items() if k.startswith("fused."))),
+             ("fused add+RMSNorm, RoPE", fused_t, sum(v for k, v in calls.items() if k.startswith("fused."))),
              ("forward: torch ops + Python between kernels", rest_forward, 0),
              ("forward (all of the above)", forward, calls["forward"])]
     rows += [(k, per_step[k], calls[k]) for k in ("logits (output matrix)", "sampler", "input tensors", "scheduler",
                                                   "scheduler update", "output processing") if k in per_step]
     print(f"decode step, batch {args.batch}, {torch.get_num_threads()} threads, {steps} steps: median "
-          f"{plain * 1e3:.2f} ms plain ({args.batch / plain:.0f} tok/s), {wrapped * 1e3:.2f} ms wrapped")
-    print(f"shares are of the mean wrapped step, {mean_wrapped * 1e3:.2f} ms")
+          f"{plain * 1e3:.2f} ms plain ({args.batch / plain:.0f} tok/s; fused decode "
+          f"{'on' if fused is not None else 'n/a'}), per-op path {per_op * 1e3:.2f} ms "
+          f"({args.batch / per_op:.0f} tok/s)")
+    if fused_forward is not None:
+        print(f"fused decode: the layers' one native call {fused_forward * 1e3:.3f} ms/step "
+              f"(per-op forward below: {forward * 1e3:.3f} ms, of which kernels {(gemm + fused_t + attn) * 1e3:.3f})")
+    print(f"breakdown of the per-op path ({wrapped * 1e3:.2f} ms median wrapped); shares are of the mean wrapped "
+          f"step, {mean_wrapped * 1e3:.2f} ms")
     print(f"{'part':<46}{'ms/step':>9}{'share':>8}{'calls/step':>12}{'us/call':>9}")
     for name, s, c in rows:
         per_call = f"{s / c * 1e6:.1f}" if c else "-"
@@ -144,7 +164,8 @@ def main() -> None:
     other = mean_wrapped - step_total
     print(f"{'engine loop between phases (Python)':<46}{other * 1e3:>9.3f}{other / mean_wrapped:>8.1%}")
     write_json(args.out, {"batch": args.batch, "threads": torch.get_num_threads(), "steps": steps,
-                          "plain_step_s": plain, "wrapped_step_s": wrapped,
+                          "plain_step_s": plain, "fused_decode": fused is not None,
+                          "fused_forward_s": fused_forward, "per_op_step_s": per_op, "wrapped_step_s": wrapped,
                           "parts": [{"part": n, "s_per_step": s, "calls_per_step": c} for n, s, c in rows]
                           + [{"part": "engine loop between phases", "s_per_step": other, "calls_per_step": 0}]})
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
-            "f32_gemm.cpp")
+            "f32_gemm.cpp", "decode_layers.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -114,7 +114,9 @@ def native_ops() -> ModuleType | None:
       file layout;
     * ``kquant_gemm``, ``kquant_dequantize`` (kquant_gemm.cpp): GGUF Q4_K / Q6_K weights in their file bytes;
     * ``f32_small_gemm`` (f32_gemm.cpp): float32 products of 1-8 rows, each weight row read once for all rows;
-    * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row.
+    * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row;
+    * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,
+      bitwise equal to the per-op path (leanserve/model/fused_decode.py builds it).
     """
     if os.environ.get(_DISABLE_ENV):
         return None

@@ -16,6 +16,7 @@ torch::Tensor kquant_dequantize(torch::Tensor w, int64_t qtype);
 torch::Tensor f32_small_gemm(torch::Tensor x, torch::Tensor w);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
+void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_dequantize", &kquant_dequantize, "w [N, K] float32 from GGUF Q4_K / Q6_K bytes");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
+  bind_decode_layers(m);
 }

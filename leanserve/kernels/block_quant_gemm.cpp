@@ -277,13 +277,84 @@ inline __m256i bcast_pair(const int16_t* p) {  // xq[k], xq[k + 1] in every int3
 }
 #endif
 
+#ifdef LS_AVX2
+// Software prefetch of the weights kLaneAhead blocks ahead of block b (the tile's blocks, then the next tile's, are
+// contiguous). A decode step streams ~97 MB of weights from DRAM; the hardware prefetcher alone left one thread at
+// ~2/3 of the bandwidth it reaches with this (benchmarks.step_profile / benchmarks.quant --b1-only).
+constexpr int64_t kLaneAhead = 4;
+template <int64_t kBlockBytes>
+inline void prefetch_ahead(const uint8_t* wl, int64_t b) {
+  const char* ahead = reinterpret_cast<const char*>(wl + (b + kLaneAhead) * 8 * kBlockBytes);
+  for (int64_t c = 0; c < 8 * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+}
+#endif
+
+#if defined(LS_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LS_AVX512_LANE 1
+// lane_tile for one row with 512-bit registers: one zmm holds two pairs (p, p + 1) of a group's 8 outputs (lanes
+// 0-7 and 8-15, the 32 contiguous bytes of the layout), against the row's pairs p and p + 1 (vpermd of the block's
+// 16 pairs); at the end of a block the two halves are added. The int32 sums are the same integers as the 256-bit
+// path's (integer addition is exact in any order), and the fp32 steps that follow are the same instructions, so the
+// result is bitwise equal to it, in half the multiply-add instructions.
+template <int kBits>
+inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
+                              const int16_t* xq, const float* dx, const float* xs, float* y, bool prefetch) {
+  constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
+  constexpr int kPairs = kBits == 4 ? 4 : 8;  // zmm loads per group and block (two pairs each)
+  __m256 acc[8];
+  for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
+    const __m512i xb = _mm512_loadu_si512(xq + b * kBlock);  // the block's 16 pairs
+    __m512i xv[kBits == 4 ? 8 : 8];
+    for (int j = 0; j < kPairs; ++j) {  // pairs (2j, 2j + 1); for 4-bit also (8 + 2j, 9 + 2j), the high nibbles
+      xv[j] = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * j)), xb);
+      if constexpr (kBits == 4)
+        xv[4 + j] = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 + 2 * j)), xb);
+    }
+    const uint8_t* wb = wl + b * 8 * kBlockBytes;
+    for (int g = 0; g < 8; ++g) {
+      __m512i a = _mm512_setzero_si512();
+      for (int j = 0; j < kPairs; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kBlockBytes + j * 32));
+        if constexpr (kBits == 4) {
+          const __m512i v = _mm512_cvtepu8_epi16(raw);
+          a = _mm512_dpwssd_epi32(a, _mm512_and_si512(v, low4), xv[j]);
+          a = _mm512_dpwssd_epi32(a, _mm512_srli_epi16(v, 4), xv[4 + j]);
+        } else {
+          a = _mm512_dpwssd_epi32(a, _mm512_cvtepi8_epi16(raw), xv[j]);
+        }
+      }
+      const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+      const int64_t at = b * 64 + g * 8;
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[b])), acc[g]);
+      if constexpr (kBits == 4) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ml + at)));
+        acc[g] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[b]), acc[g]);
+      }
+    }
+  }
+  for (int g = 0; g < 8; ++g) _mm256_storeu_ps(y + g * 8, acc[g]);
+}
+#endif
+
 // One tile of 64 outputs (8 groups of 8) for T rows. Per block the tile's 8 groups are contiguous in memory and are
 // walked in order, in register sub-tiles of S groups (all 8 for one row; 2 with 2-3 rows, where the T x S int32
 // sums and their weights would not fit in registers otherwise); the fp32 sums of the 8 groups live in acc.
 template <int kBits, int T>
 inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
-                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N) {
+                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
+                      bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;  // one block of 8 outputs
+#ifdef LS_AVX512_LANE
+  if constexpr (T == 1) {
+    lane_tile1_avx512<kBits>(wl, dl, ml, nb, xq, dx, xs, y, prefetch);
+    return;
+  }
+#endif
 #ifdef LS_AVX2
   constexpr int S = T == 1 ? 8 : 2;
   __m256 acc[T][8];
@@ -291,6 +362,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
     for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
     const int16_t* xb = xq + b * kBlock;
     for (int g0 = 0; g0 < 8; g0 += S) {
       const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
@@ -391,10 +463,11 @@ void lane_gemm_impl(const int16_t* xq, const float* dx, const float* xs, int64_t
         const float* dxt = dx + m0 * nb;
         const float* xst = xs + m0 * nb;
         float* yt = y + m0 * N + t * 64;
+        const bool first = m0 == mb * mrows;  // the task's first pass streams the tile: prefetch it then only
         switch (std::min<int64_t>(3, m_end - m0)) {
-          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
-          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
-          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N); break;
+          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
+          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
+          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
         }
       }
     }

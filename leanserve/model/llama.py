@@ -16,6 +16,7 @@ from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
 from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, KVCache, paged_attention
+from leanserve.model.fused_decode import FusedDecode
 from leanserve.model.rope import RotaryEmbedding, apply_rope
 from leanserve.quantization import check_quantization
 from leanserve.quantization.weights import (
@@ -162,6 +163,8 @@ class LlamaModel:
         # fused RMSNorm / RoPE (leanserve/kernels/fused_ops.cpp) for float32 on CPU
         self._fused = (native_ops() if native_kernels and self.device.type == "cpu" and dtype == torch.float32
                        else None)
+        # decode-only steps in one native call (bitwise equal to the per-op path); None: the per-op path
+        self.fused_decode: FusedDecode | None = FusedDecode.build(self)
 
     def weight_bytes(self) -> int:
         """Bytes held by the model's weights (the tied output matrix counted once; quantized ones as packed)."""
@@ -193,6 +196,8 @@ class LlamaModel:
         else:
             cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
         x = self.embed_tokens(input_ids).contiguous()  # [T, hidden], the residual stream (updated in place)
+        if self.fused_decode is not None and self.fused_decode.applies(t, kv_caches, meta):
+            return self.fused_decode.forward(x, cos, sin, kv_caches, meta)
         pending: torch.Tensor | None = None  # the MLP output still to be added to x
         kr, mr = meta.num_decode_tokens, self._invariant_rows  # each matmul's kernel_rows and invariant_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):

@@ -154,3 +154,21 @@ def test_zero_rows_give_an_empty_product(tmp_path: Path, lanes: bool) -> None:
     w, _ = _weight(tmp_path, QT.Q4_1, lanes=lanes)
     y = w.kernel(torch.empty(0, IN))
     assert y.shape == (0, OUT) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_lane_kernel_isa_paths_are_bitwise_equal(tmp_path: Path, qtype: QT) -> None:
+    """The AVX-512 single-row tile (two pairs per zmm, the same int32 sums) and the AVX2 path give the same bits,
+    for one row (that tile) and a few (the 3-row tiles)."""
+    if "avx2" not in kernel_isa_paths():
+        pytest.skip("no AVX-512 on this machine: only one ISA path")
+    from leanserve.kernels import build_native_ops
+
+    w, _ = _weight(tmp_path, qtype, out=320)
+    x = torch.randn(7, IN, generator=torch.Generator().manual_seed(11))
+    ys = {}
+    for isa in ("native", "avx2"):
+        w.ext = build_native_ops(isa)
+        ys[isa] = [w.kernel(x[:1]), w.kernel(x)]
+    assert torch.equal(ys["native"][0], ys["avx2"][0]) and torch.equal(ys["native"][1], ys["avx2"][1])
+    assert torch.equal(ys["native"][0], ys["native"][1][:1])
