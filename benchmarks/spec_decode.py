@@ -163,7 +163,7 @@ def main() -> None:
     spec = LLM(loaded=loaded, speculative_config=spec_cfg, **kw)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for name in args.workloads.split(","):
+    for name in filter(None, args.workloads.split(",")):
         if name == "mixed":
             reqs = make_workload(tok, 32, (50, 1000), (20, 500), seed=0)
             cases = [(32, [{"prompt_token_ids": r.prompt_ids} for r in reqs],
