@@ -28,9 +28,10 @@ INSTRUCTION = ("You summarize conversations. Write a short, factual summary of t
                "sentences: who asked what, the answers given, names, numbers and decisions. No preamble.")
 
 
-def summary_key(model: str, max_tokens: int, messages: Sequence[dict[str, Any]]) -> str:
-    """Hex SHA-256 of (served model, summary token budget, the dropped messages exactly)."""
-    blob = json.dumps([model, max_tokens, list(messages)], sort_keys=True, ensure_ascii=False, default=str)
+def summary_key(model: str, max_tokens: int, messages: Sequence[dict[str, Any]], tenant: str | None = None) -> str:
+    """Hex SHA-256 of (tenant, served model, summary token budget, the dropped messages exactly): a tenant never
+    meets, or learns of, another tenant's conversations."""
+    blob = json.dumps([tenant, model, max_tokens, list(messages)], sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

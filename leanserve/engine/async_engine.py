@@ -142,6 +142,7 @@ class AsyncEngine:
         self._active: set[str] = set()  # engine thread: requests added to the engine and not finished
         self._stopping = False
         self._draining = False
+        self._held = 0  # server requests in progress not yet (or no longer) in _streams (hold / release)
         self._dead: BaseException | None = None
         self._beat = time.monotonic()  # engine thread: when its loop last advanced
         self._idle = False  # engine thread: asleep on the condition for lack of work
@@ -175,9 +176,17 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests submitted and not yet finished (their streams still registered). Takes no lock, so it answers
-        even while the engine thread is stuck holding it."""
-        return len(self._streams)
+        """Requests submitted and not yet finished (their streams still registered), plus the server requests
+        held (:meth:`hold`). Takes no lock, so it answers even while the engine thread is stuck holding it."""
+        return len(self._streams) + self._held
+
+    def hold(self) -> None:
+        """Count a server request in progress (from its arrival, before its engine requests exist, until it
+        ends: :meth:`release`), so that a drain waits for it too (event-loop thread)."""
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
 
     def stalled_for(self) -> float:
         """Seconds the engine loop has been busy without completing an iteration (0 while it sleeps idle).
@@ -216,8 +225,11 @@ class AsyncEngine:
         return self.engine.admit(prompt, params)
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None,
-               priority: int = 0) -> RequestStream:
+               priority: int = 0, allow_draining: bool = False) -> RequestStream:
         """Queue an admitted request without waiting; ``await stream.accepted()`` reports the engine's verdict.
+
+        ``allow_draining``: queue it during a drain too (a part of a server request that arrived before the drain,
+        e.g. the request after its history summary, or a cascade's escalation); refused only once shutting down.
 
         Raises:
             QueueFullError: too many waiting sequences or shutting down; EngineDeadError: the engine failed;
@@ -229,7 +241,7 @@ class AsyncEngine:
         with self._cond:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine failed: {self._dead!r}")
-            if self._stopping or self._draining:
+            if self._stopping or (self._draining and not allow_draining):
                 raise QueueFullError(SHUTTING_DOWN, retry_after=5.0)
             waiting = (self._stats.num_waiting if self._stats else 0) + self._pending_seqs
             if self.max_waiting is not None and waiting >= self.max_waiting:

@@ -37,6 +37,7 @@ def test_key_is_the_model_budget_and_the_messages_exactly():
     assert summary_key("m", 32, m) == summary_key("m", 32, [dict(x) for x in m])
     assert summary_key("m", 32, m) != summary_key("other", 32, m)
     assert summary_key("m", 32, m) != summary_key("m", 16, m)
+    assert summary_key("m", 32, m, "tenant-a") != summary_key("m", 32, m, "tenant-b") != summary_key("m", 32, m)
     assert summary_key("m", 32, m) != summary_key("m", 32, m[:-1] + [{**m[-1], "content": m[-1]["content"] + "."}])
 
 

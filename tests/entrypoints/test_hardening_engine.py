@@ -273,3 +273,33 @@ def test_an_unhandled_error_is_a_500_envelope_and_the_connection_stays_open():
         server.should_exit = True
         thread.join(10)
         engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------------ drain
+def test_a_drain_waits_for_server_requests_and_lets_their_later_parts_in():
+    """A server request held by the gate counts as in flight before and between its engine requests; during a
+    drain a new engine request is refused unless it is part of such a request (``allow_draining``); a request that
+    arrives during the drain gets the gate's 503."""
+    from leanserve.engine.async_engine import QueueFullError
+
+    engine = AsyncEngine(FakeEngine(step_s=0.002))
+    app = build_app(engine, "fake")
+
+    async def main():
+        engine.hold()  # the gate's part for a request that arrived before the drain (e.g. a summary computed)
+        engine.begin_drain()
+        assert engine.num_in_flight == 1  # the drain waits for it although no engine request exists yet
+        with pytest.raises(QueueFullError):
+            engine.submit("new", engine.admit("hi", SamplingParams(max_tokens=2)))
+        stream = engine.submit("part", engine.admit("hi", SamplingParams(max_tokens=2)), allow_draining=True)
+        await stream.accepted()
+        outs = [o async for o in stream]
+        engine.release()
+        async with asgi_client(app) as client:
+            late = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        return outs, late
+
+    outs, late = asyncio.run(main())
+    assert outs[-1].finished and engine.num_in_flight == 0
+    assert late.status_code == 503 and late.json()["error"]["message"] == "the server is shutting down"
+    engine.shutdown()

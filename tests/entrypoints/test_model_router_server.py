@@ -63,7 +63,7 @@ def test_rules_route_by_content_and_length(routed):
     assert body["model"] == "cheap"
     assert body["usage"]["leanserve"]["route"] == {"router": "auto", "policy": "rules", "model": "cheap",
                                                    "reason": "rules: no rule matched", "score": None,
-                                                   "escalated_from": None}
+                                                   "escalated_from": None, "cheap_completion_tokens": None}
     code = chat(routed, "auto", "Fix this:\n```python\ndef f(x):\n    return x +\n```").json()
     assert code["model"] == "strong" and code["usage"]["leanserve"]["route"]["reason"].startswith("rules: code")
     assert counter(routed, "leanserve:router_requests_total", router="auto", model_name="strong") == before + 1
@@ -110,3 +110,25 @@ def test_bad_requests_to_a_router_are_400s_and_unknown_models_404(routed):
     r = chat(routed, "autox", "Hi")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert chat(routed, "auto", "Name a primary color.").status_code == 200
+
+
+def completion(srv: ServerProcess, model: str, **body) -> dict:
+    r = httpx.post(f"{srv.url}/v1/completions", headers=srv.headers, timeout=120,
+                   json={"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                         **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_cascade_judges_the_answer_not_an_echoed_prompt(routed):
+    plain = completion(routed, "cascade-keep")["usage"]["leanserve"]["route"]["score"]
+    echoed = completion(routed, "cascade-keep", echo=True)
+    assert echoed["usage"]["leanserve"]["route"]["score"] == pytest.approx(plain, abs=1e-6)
+    assert echoed["choices"][0]["text"].startswith("The capital of France is")
+    # an echo of the prompt alone has no answer to judge: kept, not escalated
+    up_before = counter(routed, "leanserve:router_escalations_total", router="cascade-up")
+    only = completion(routed, "cascade-up", echo=True, max_tokens=0)
+    assert only["model"] == "cheap" and "nothing to judge" in only["usage"]["leanserve"]["route"]["reason"]
+    assert counter(routed, "leanserve:router_escalations_total", router="cascade-up") == up_before
+    up = chat(routed, "cascade-up", "Name a primary color.").json()["usage"]["leanserve"]["route"]
+    assert up["cheap_completion_tokens"] is not None and up["cheap_completion_tokens"] > 0

@@ -35,3 +35,38 @@ def test_a_routers_file_is_checked_against_the_served_models(tmp_path, routers, 
     with pytest.raises(RouterConfigError, match=message) as e:
         router_specs(ServerConfig(model_router="rules", model_routers_file=str(path)), ["small", "big"])
     assert e.value.param == param
+
+
+def test_strong_share_needs_a_learned_router():
+    with pytest.raises(RouterConfigError, match="learned") as e:
+        router_specs(ServerConfig(model_router="rules", strong_share=0.3), ["small", "big"])
+    assert e.value.param == "strong_share"
+
+
+def test_a_routed_request_goes_to_the_model_that_can_serve_it():
+    """A chat routed to a model without a chat template, or a request past its context, goes to the other model
+    when that one can serve it (and the reason says so); when neither can, the decision stands (the model's own
+    error follows)."""
+    from types import SimpleNamespace
+
+    from leanserve.entrypoints.openai.model_routing import _servable
+    from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from leanserve.routing import RouteDecision, RouteInput
+
+    def model(name: str, template: str | None, max_len: int):
+        return SimpleNamespace(name=name, engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template),
+                                                                 max_model_len=max_len))
+
+    models = {"chat": model("chat", "{{ x }}", 100), "base": model("base", None, 1000)}
+    registry = SimpleNamespace(get=models.get)
+    chat = ChatCompletionRequest(model="auto", messages=[{"role": "user", "content": "hi"}])
+    comp = CompletionRequest(model="auto", prompt="hi")
+    to_base = RouteDecision("base", "rules", "rules: code in prompt")
+    moved = _servable(to_base, "chat", chat, RouteInput("hi", 10, 8), registry)
+    assert moved.model == "chat" and moved.reason == "rules: code in prompt; base has no chat template, so chat"
+    assert _servable(to_base, "chat", comp, RouteInput("hi", 10, 8), registry) == to_base
+    to_chat = RouteDecision("chat", "rules", "rules: no rule matched")
+    longer = _servable(to_chat, "base", comp, RouteInput("hi", 95, 10), registry)
+    assert longer.model == "base" and "chat holds 100 tokens, the request needs 105" in longer.reason
+    # neither can: a chat past the chat model's context stays where the policy sent it
+    assert _servable(to_chat, "base", chat, RouteInput("hi", 95, 10), registry) == to_chat

@@ -35,7 +35,7 @@ from leanserve.entrypoints.openai.context_policies import ContextSettings
 from leanserve.entrypoints.openai.gate import DRAIN_RETRY_AFTER_S, InternalErrorGuard, ServerGate
 from leanserve.entrypoints.openai.limits import LimitExceeded, RequestLimits
 from leanserve.entrypoints.openai.metrics import ServerMetrics, TenantMetrics
-from leanserve.entrypoints.openai.model_routing import build_routers, router_specs, serve_routed
+from leanserve.entrypoints.openai.model_routing import build_policies, build_routers, router_specs, serve_routed
 from leanserve.entrypoints.openai.models_config import (  # noqa: F401  (default_served_model_name: re-exported)
     ModelSpec,
     default_served_model_name,
@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
               stall_timeout: float = 10.0, context: ContextSettings | None = None,
               answer_cache_bytes: int | None = None, answer_cache_ttl: float = 600.0,
               answer_cache_semantic: bool = False, answer_cache_similarity: float = 0.9,
-              routers: Sequence[RouterSpec] = ()) -> FastAPI:
+              routers: Sequence[RouterSpec] = (), router_policies: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``, or several models: a
     mapping of served name -> engine (each its own engine thread and KV pool; ``served_model_name`` unused; the
     first is the default). Requests pick theirs by ``"model"`` (:class:`ServedModels`; unknown: 404).
@@ -119,6 +119,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
         answer_cache_ttl: seconds an answer stays valid in it.
         answer_cache_semantic: also match similar last user messages (at ``answer_cache_similarity``).
         routers: router models (``model_routing.py``), each served as a virtual model name over two of the models.
+        router_policies: their policies, built already (``model_routing.build_policies``); None: built here.
 
     The app has one metrics registry (each model's series labelled ``model_name``; its metrics registered as an
     observer of its engine); its lifespan shuts the engines down when the server stops. Gate, limits and tenants
@@ -139,7 +140,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
                                cache))
     default = models.default
     engine, served_model_name, metrics = default.engine, default.name, default.metrics
-    served_routers = build_routers(routers, registry)
+    served_routers = build_routers(routers, registry, router_policies)
     for r in served_routers.values():  # /tokenize and /detokenize of a router name use its cheap model's tokenizer
         models.add_virtual(r.name, lambda registry, body, cheap=r.spec.cheap: registry.get(cheap))
     if tenants is None and api_key:
@@ -441,6 +442,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
     specs = models or [ModelSpec(engine_config, sc.served_model_name)]
     names = served_names(specs)  # before anything loads: two models under one name fail at once
     routers = router_specs(sc, names)  # before anything loads too
+    policies = build_policies(routers)
     defaults = TenantLimits(sc.tenant_max_concurrent, sc.tenant_requests_per_minute, sc.tenant_tokens_per_minute)
     tenants = TenantRegistry.from_config(sc.api_keys, sc.api_keys_file, defaults)  # before the model loads
     if tenants is not None:
@@ -455,7 +457,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
     llm_engines = [LLMEngine(s.engine) for s in specs]  # all loaded before any engine thread steps
     engines = {name: AsyncEngine(e, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout,
                                  step_lock=step_lock) for name, e in zip(names, llm_engines, strict=True)}
-    app = build_app(engines, tenants=tenants, routers=routers, **app_options(sc))
+    app = build_app(engines, tenants=tenants, routers=routers, router_policies=policies, **app_options(sc))
     served = app.state.models
     # asyncio + h11 named, not uvicorn's "auto": the [ray] extra installs uvloop and httptools, which "auto" would
     # pick up, so one server would behave differently with and without the extra

@@ -78,6 +78,16 @@ class ServerGate:
                                                {"Connection": "close"}))
             return
         receive = _counting(receive, limit)
+        if scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS:
+            self.engine.hold()  # a drain from now on waits for this request, all its engine requests included
+            try:
+                await self._admitted(scope, receive, send)
+            finally:
+                self.engine.release()
+            return
+        await self._admitted(scope, receive, send)
+
+    async def _admitted(self, scope, receive, send) -> None:
         if self.tenants is None:
             await self.app(scope, receive, send)
             return

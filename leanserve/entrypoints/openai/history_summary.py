@@ -59,8 +59,9 @@ class HistorySummarizer:
         self._pending: dict[str, asyncio.Future] = {}
         self.computed = 0  # internal requests run (for tests and logs)
 
-    async def summarize(self, messages: list[dict[str, Any]], max_tokens: int) -> SummaryResult:
-        key = summary_key(self.model_name, max_tokens, messages)
+    async def summarize(self, messages: list[dict[str, Any]], max_tokens: int, tenant: str | None = None
+                        ) -> SummaryResult:
+        key = summary_key(self.model_name, max_tokens, messages, tenant)  # per tenant, as the answer cache
         text = self.cache.get(key)
         if text is not None:
             return SummaryResult(text, True)
@@ -91,7 +92,7 @@ class HistorySummarizer:
         try:
             ids = summary_prompt(messages, self.engine.tokenizer, limit)
             admitted = self.engine.admit(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-            stream = self.engine.submit(rid, admitted)
+            stream = self.engine.submit(rid, admitted, allow_draining=True)  # part of a request admitted before
             await stream.accepted()
             final = None
             async for out in stream:
@@ -122,12 +123,12 @@ def summarizer_of(raw_request: Request, engine: AsyncEngine, model_name: str) ->
 
 
 async def summarize_history(summarizer: HistorySummarizer, ctx: Any, max_tokens: int,
-                            rerender: Callable[[str], tuple[list[int], Any]], fallback: list[int]
-                            ) -> tuple[list[int], Any]:
+                            rerender: Callable[[str], tuple[list[int], Any]], fallback: list[int],
+                            tenant: str | None = None) -> tuple[list[int], Any]:
     """Token ids and context report of a chat whose policies asked for a summary (``ctx.summary_status ==
     "pending"``): rendered again with the summary (``rerender(text)``), or ``fallback`` (plain dropping) with
     the failure reported."""
-    result = await summarizer.summarize(ctx.summary_messages, max_tokens)
+    result = await summarizer.summarize(ctx.summary_messages, max_tokens, tenant)
     if result.text is None:
         ctx.summary_status, ctx.summary_reason = "failed", result.error
         ctx.summary_prompt_tokens, ctx.summary_completion_tokens = result.prompt_tokens, result.completion_tokens

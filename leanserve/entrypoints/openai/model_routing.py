@@ -52,6 +52,9 @@ def router_specs(sc: ServerConfig, served: Sequence[str]) -> list[RouterSpec]:
         RouterConfigError: ``--model-router`` with fewer than two models, a bad definition, a model not served.
     """
     specs = []
+    if sc.strong_share is not None and not (sc.model_router or "").startswith("learned"):
+        raise RouterConfigError("strong_share", "--strong-share calibrates a learned router: give it with "
+                                "--model-router learned:EXAMPLES.jsonl (a routers file takes strong_share per router)")
     if sc.model_router is not None:
         if len(served) < 2:
             raise RouterConfigError("model_router", "a router needs two served models: give "
@@ -60,10 +63,11 @@ def router_specs(sc: ServerConfig, served: Sequence[str]) -> list[RouterSpec]:
     if sc.model_routers_file is not None:
         specs += load_router_specs(sc.model_routers_file)
     seen = set()
-    for spec in specs:
+    for i, spec in enumerate(specs):
         if spec.name in seen or spec.name in served:
-            raise RouterConfigError("model_routers_file", f"the router name {spec.name!r} is taken (by a served "
-                                    "model or another router)")
+            from_flag = i == 0 and sc.model_router is not None
+            raise RouterConfigError("model_router" if from_flag else "model_routers_file",
+                                    f"the router name {spec.name!r} is taken (by a served model or another router)")
         seen.add(spec.name)
         for key in ("cheap", "strong"):
             if getattr(spec, key) not in served:
@@ -106,21 +110,52 @@ class ServedRouter:
         ids = prompt[0] if prompt and isinstance(prompt[0], list) else prompt or []
         return RouteInput(tokenizer.decode(ids), len(ids), req.max_tokens)
 
-    def usage(self, decision: RouteDecision, escalated_from: str | None = None) -> RouteUsage:
+    def usage(self, decision: RouteDecision, escalated_from: str | None = None,
+              cheap_completion_tokens: int | None = None) -> RouteUsage:
         return RouteUsage(router=self.name, policy=decision.policy, model=decision.model, reason=decision.reason,
-                          score=decision.score, escalated_from=escalated_from)
+                          score=decision.score, escalated_from=escalated_from,
+                          cheap_completion_tokens=cheap_completion_tokens)
 
 
-def build_routers(specs: Sequence[RouterSpec], registry: CollectorRegistry) -> dict[str, ServedRouter]:
-    """The policies of ``specs`` (a learned router loads its embedder and calibrates), with counters in
-    ``registry``. Raises RouterConfigError (see :func:`leanserve.routing.build_router`)."""
+def build_policies(specs: Sequence[RouterSpec]) -> dict[str, RouterPolicy]:
+    """Router name -> its policy (a learned router loads its embedder and calibrates): before the models load,
+    so that a bad value fails at once. Raises RouterConfigError (see :func:`leanserve.routing.build_router`)."""
+    return {s.name: build_router(s) for s in specs}
+
+
+def build_routers(specs: Sequence[RouterSpec], registry: CollectorRegistry,
+                  policies: dict[str, RouterPolicy] | None = None) -> dict[str, ServedRouter]:
+    """The router models of ``specs`` with counters in ``registry``; ``policies``: built already
+    (:func:`build_policies`; default: built here)."""
     if not specs:
         return {}
+    policies = policies if policies is not None else build_policies(specs)
     requests = Counter(names.ROUTER_REQUESTS, names.ROUTER_HELP[names.ROUTER_REQUESTS],
                        [names.ROUTER_LABEL, names.MODEL_NAME_LABEL], registry=registry)
     escalations = Counter(names.ROUTER_ESCALATIONS, names.ROUTER_HELP[names.ROUTER_ESCALATIONS],
                           [names.ROUTER_LABEL], registry=registry)
-    return {s.name: ServedRouter(s, build_router(s), requests, escalations) for s in specs}
+    return {s.name: ServedRouter(s, policies[s.name], requests, escalations) for s in specs}
+
+
+def _unfit(model: ServedModel, req: Any, inp: RouteInput) -> str | None:
+    """Why ``model`` cannot serve ``req`` (a chat request and no chat template; a prompt plus ``max_tokens``
+    past its context, counted in the cheap model's tokens), or None."""
+    if isinstance(req, ChatCompletionRequest) and getattr(model.engine.tokenizer, "chat_template", None) is None:
+        return "has no chat template"
+    need = inp.prompt_tokens + (inp.max_tokens or 0)
+    if need > model.engine.max_model_len:
+        return f"holds {model.engine.max_model_len} tokens, the request needs {need}"
+    return None
+
+
+def _servable(decision: RouteDecision, other: str, req: Any, inp: RouteInput, models: ServedModels
+              ) -> RouteDecision:
+    """``decision``, or the other model when the chosen one cannot serve the request and the other can."""
+    why = _unfit(models.get(decision.model), req, inp)
+    if why is None or _unfit(models.get(other), req, inp) is not None:
+        return decision
+    return RouteDecision(other, decision.policy, f"{decision.reason}; {decision.model} {why}, so {other}",
+                         decision.score)
 
 
 def _pinned(req: Any, model: ServedModel, **update: Any) -> Any:
@@ -133,7 +168,10 @@ async def serve_routed(router: ServedRouter, req: Any, raw_request: Request, mod
     :func:`serve_cascade`."""
     if router.policy.kind == "cascade":
         return await serve_cascade(router, req, raw_request, models, create)
-    decision = router.policy.decide(router.route_input(req, models))
+    inp = router.route_input(req, models)
+    decision = router.policy.decide(inp)
+    other = router.spec.strong if decision.model == router.spec.cheap else router.spec.cheap
+    decision = _servable(decision, other, req, inp, models)
     model = models.get(decision.model)
     raw_request.state.route = router.usage(decision)
     raw_request.state.answer_cache = model.answer_cache
@@ -143,12 +181,24 @@ async def serve_routed(router: ServedRouter, req: Any, raw_request: Request, mod
     return response
 
 
-def _chosen_logprobs(body: dict, chat: bool) -> list[float]:
-    """Choice 0's chosen-token logprobs in a non-streamed response body."""
+def _chosen_logprobs(body: dict, chat: bool, echoed: int = 0) -> list[float]:
+    """Choice 0's chosen-token logprobs in a non-streamed response body, the first ``echoed`` entries (an echoed
+    prompt's) left out."""
     lp = (body.get("choices") or [{}])[0].get("logprobs") or {}
     if chat:
         return [t["logprob"] for t in lp.get("content") or []]
-    return [x for x in lp.get("token_logprobs") or [] if x is not None]
+    return [x for x in (lp.get("token_logprobs") or [])[echoed:] if x is not None]
+
+
+def _echoed_tokens(req: Any, models: ServedModels, cheap: ServedModel) -> int:
+    """Tokens of a completion request's first prompt that ``echo`` puts before its answer (0 without echo)."""
+    if isinstance(req, ChatCompletionRequest) or not getattr(req, "echo", False):
+        return 0
+    prompt = req.prompt
+    first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
+    if isinstance(first, str):
+        return len(cheap.engine.tokenizer.encode(first))
+    return len(first or [])
 
 
 async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, models: ServedModels,
@@ -157,6 +207,16 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     policy = router.policy
     chat = isinstance(req, ChatCompletionRequest)
     cheap, strong = models.get(policy.cheap), models.get(policy.strong)
+    inp = router.route_input(req, models)
+    why_not_cheap, why_not_strong = _unfit(cheap, req, inp), _unfit(strong, req, inp)
+    if why_not_cheap is not None and why_not_strong is None:  # only the strong model can: no cheap answer first
+        decision = RouteDecision(strong.name, policy.kind, f"cascade: {cheap.name} {why_not_cheap}, so {strong.name}")
+        raw_request.state.route = router.usage(decision)
+        raw_request.state.answer_cache = strong.answer_cache
+        response = await create(strong, _pinned(req, strong))
+        if response.status_code < 400:
+            router.requests.labels(router.name, strong.name).inc()
+        return response
     probe = _pinned(req, cheap, stream=False, stream_options=None,
                     **({"logprobs": True} if chat else {} if req.logprobs is not None else {"logprobs": 0}))
     raw_request.state.route = router.usage(policy.first())
@@ -165,10 +225,17 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     if response.status_code >= 400:
         return response
     body = json.loads(response.body)
-    token_logprobs = _chosen_logprobs(body, chat)
-    escalate = policy.judge(token_logprobs)
+    token_logprobs = _chosen_logprobs(body, chat, _echoed_tokens(req, models, cheap))
+    nothing_asked = req.max_tokens == 0  # an echo of the prompt only: there is no answer to judge
+    escalate = None if nothing_asked else policy.judge(token_logprobs)
+    if escalate is not None and why_not_strong is not None:  # the strong model cannot answer it: keep the cheap
+        kept = RouteDecision(cheap.name, policy.kind, f"{escalate.reason} refused: {strong.name} {why_not_strong}",
+                             escalate.score)
+        escalate = None
+    elif escalate is None:
+        kept = policy.kept(token_logprobs) if not nothing_asked else RouteDecision(
+            cheap.name, policy.kind, "cascade: max_tokens 0, nothing to judge")
     if escalate is None:
-        kept = policy.kept(token_logprobs)
         if chat and not req.logprobs or not chat and req.logprobs is None:
             for choice in body.get("choices", []):
                 choice["logprobs"] = None
@@ -182,7 +249,8 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
             return StreamingResponse(_as_stream(body, chat, include_usage), media_type="text/event-stream",
                                      headers=headers)
         return JSONResponse(body, headers=headers)
-    raw_request.state.route = router.usage(escalate, escalated_from=cheap.name)
+    cheap_tokens = (body.get("usage") or {}).get("completion_tokens")
+    raw_request.state.route = router.usage(escalate, escalated_from=cheap.name, cheap_completion_tokens=cheap_tokens)
     raw_request.state.answer_cache = strong.answer_cache
     response = await create(strong, _pinned(req, strong))
     if response.status_code < 400:

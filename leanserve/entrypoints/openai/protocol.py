@@ -314,6 +314,7 @@ class RouteUsage(ResponseModel):
     reason: str  # why, in words
     score: float | None = None  # learned: the hardness score; cascade: the cheap answer's mean token logprob
     escalated_from: str | None = None  # cascade: the cheap model whose answer was judged too unsure
+    cheap_completion_tokens: int | None = None  # cascade, escalated: tokens the cheap answer had generated
 
 
 class ContextUsage(ResponseModel):

@@ -53,6 +53,7 @@ class ServedModels:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self._virtual: dict[str, VirtualResolver] = {}
+        self._held = 0  # server requests in progress (hold / release), whichever model they end up on
 
     def add(self, model: ServedModel) -> None:
         """Raises ValueError when the name is taken."""
@@ -122,7 +123,14 @@ class ServedModels:
 
     @property
     def num_in_flight(self) -> int:
-        return sum(e.num_in_flight for e in self.engines)
+        return sum(e.num_in_flight for e in self.engines) + self._held
+
+    def hold(self) -> None:
+        """As :meth:`AsyncEngine.hold`: a server request in progress, which a drain waits for."""
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
 
     def begin_drain(self) -> None:
         for e in self.engines:

@@ -70,6 +70,7 @@ from leanserve.entrypoints.openai.serving_common import (
     usage_of,
 )
 from leanserve.entrypoints.openai.structured_fields import constraint_of, tool_plan
+from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.errors import LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
@@ -130,7 +131,8 @@ class OpenAIServingChat:
             prompt_ids, ctx = await summarize_history(
                 summarizer_of(raw_request, self.engine, self.model_name), ctx,
                 summary_tokens_of(req, settings_of(raw_request)),
-                lambda text: self.render_prompt(req, raw_request, plan.tools, text), prompt_ids)
+                lambda text: self.render_prompt(req, raw_request, plan.tools, text), prompt_ids,
+                getattr(raw_request.scope.get(TENANT_KEY), "name", None))
         ctx.route = getattr(raw_request.state, "route", None)  # sent to a router model (model_routing.py)
         request_id = new_id("chatcmpl")
         admitted = admit_all(self.engine, [prompt_ids], params, names)

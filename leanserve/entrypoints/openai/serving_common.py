@@ -367,7 +367,8 @@ async def add_all(engine: AsyncEngine, request_id: str, admitted: list[AdmittedR
         for rid, request in zip(rids, admitted, strict=True):
             if owner is not None:
                 owner[0].track(rid, owner[1])
-            streams.append(engine.submit(rid, request, arrival_time=arrival, priority=priority))
+            # allowed during a drain: the gate refuses requests arriving after it, this one came before
+            streams.append(engine.submit(rid, request, arrival_time=arrival, priority=priority, allow_draining=True))
         for s in streams:
             await s.accepted()
     except BaseException as exc:
