@@ -110,4 +110,10 @@ NEAR_MISSES = [
     ("How do I change my email address?", "How do I change my shipping address?"),
     ("Where can I download my invoice?", "Where can I download the app?"),
     ("How do I delete my account?", "How do I delete my review?"),
+    # found by a fresh-user trial: what a negation applies to; how often / how soon
+    ("Can I not return my parcel?", "Can I return my parcel? I don't need it."),
+    ("Can I not return my order?", "Can I return my order, yes or no?"),
+    ("Can I return my parcel?", "Can I return my parcel once?"),
+    ("Can I cancel my order?", "Can I cancel my order immediately?"),
+    ("How can I reset my password?", "How can I reset my email password?"),
 ]

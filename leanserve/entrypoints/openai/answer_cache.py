@@ -34,7 +34,7 @@ from typing import Any
 
 from leanserve import metric_names as names
 from leanserve.context.answer_cache import AnswerCache, cache_key, is_deterministic
-from leanserve.context.semantic import DEFAULT_THRESHOLD, SemanticIndex, WordLlamaEmbedder, guard_signature
+from leanserve.context.semantic import DEFAULT_THRESHOLD, SemanticIndex, WordLlamaEmbedder, query_signature
 from leanserve.engine.admission import AdmittedRequest
 from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -92,7 +92,7 @@ class ServingAnswerCache:
         tenant = raw_request.scope.get(TENANT_KEY)
         context_key = cache_key(getattr(tenant, "name", None), self.model_name, endpoint, context,
                                 admitted.params.max_tokens, _params(admitted))
-        return SemanticQuery(context_key, self.embedder.embed([query])[0], guard_signature(query))
+        return SemanticQuery(context_key, self.embedder.embed([query])[0], query_signature(query))
 
     def claim(self, key: bytes) -> asyncio.Future | None:
         """Mark ``key`` as being answered now (before the request is queued, so that identical requests arriving
@@ -136,7 +136,7 @@ class ServingAnswerCache:
 class SemanticQuery:
     context_key: bytes
     vector: Any  # numpy (dim,) float32, L2-normalized
-    signature: Any  # guard_signature of the question
+    signature: Any  # query_signature of the question
 
 
 _COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]] = weakref.WeakKeyDictionary()
