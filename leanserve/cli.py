@@ -111,7 +111,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from leanserve.entrypoints.openai.models_config import default_served_model_name
-    from leanserve.loader import default_model_path
+    from leanserve.errors import ModelLoadError
+    from leanserve.loader import resolve_model_path
     from leanserve.tools.plan import config_from_path, format_report, parse_bytes, plan_report
 
     try:
@@ -120,7 +121,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: bad memory size: {exc}", file=sys.stderr)
         return 2
-    paths = args.model or [default_model_path()]
+    try:
+        paths = [resolve_model_path(m) for m in args.model or [None]]  # aliases as serve takes them
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if len(paths) > 1:  # several models in one server: each model, and the set against --memory
         from leanserve.tools.plan import format_set_report, set_plan_report
 

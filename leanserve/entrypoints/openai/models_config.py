@@ -25,8 +25,7 @@ from typing import Any
 
 from leanserve.config import EngineConfig
 from leanserve.errors import InvalidParameterError
-from leanserve.loader import default_model_path
-from leanserve.loader.model_packages import GEMMA3_ALIASES, gemma3_model_path
+from leanserve.loader import resolve_model_path
 
 SERVED_MODEL_NAME = "served_model_name"
 
@@ -142,11 +141,7 @@ def model_file(model: str | None) -> str:
     Raises:
         ModelLoadError: the default model or the Gemma 3 package is not installed.
     """
-    if model is None:
-        return default_model_path()
-    if model in GEMMA3_ALIASES and not os.path.exists(model):
-        return gemma3_model_path()
-    return model
+    return resolve_model_path(model)
 
 
 def served_names(specs: list[ModelSpec]) -> list[str]:
