@@ -172,11 +172,18 @@ async def serve_routed(router: ServedRouter, req: Any, raw_request: Request, mod
     decision = router.policy.decide(inp)
     other = router.spec.strong if decision.model == router.spec.cheap else router.spec.cheap
     decision = _servable(decision, other, req, inp, models)
-    model = models.get(decision.model)
-    raw_request.state.route = router.usage(decision)
+    return await _serve_by(router, models.get(decision.model), router.usage(decision), req, raw_request, create)
+
+
+async def _serve_by(router: ServedRouter, model: ServedModel, route: RouteUsage, req: Any, raw_request: Request,
+                    create: Create, escalated: bool = False) -> Response:
+    """``req`` answered by ``model`` as if named, reported as ``route`` and counted (when answered)."""
+    raw_request.state.route = route
     raw_request.state.answer_cache = model.answer_cache
     response = await create(model, _pinned(req, model))
     if response.status_code < 400:
+        if escalated:
+            router.escalations.labels(router.name).inc()
         router.requests.labels(router.name, model.name).inc()
     return response
 
@@ -211,12 +218,7 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     why_not_cheap, why_not_strong = _unfit(cheap, req, inp), _unfit(strong, req, inp)
     if why_not_cheap is not None and why_not_strong is None:  # only the strong model can: no cheap answer first
         decision = RouteDecision(strong.name, policy.kind, f"cascade: {cheap.name} {why_not_cheap}, so {strong.name}")
-        raw_request.state.route = router.usage(decision)
-        raw_request.state.answer_cache = strong.answer_cache
-        response = await create(strong, _pinned(req, strong))
-        if response.status_code < 400:
-            router.requests.labels(router.name, strong.name).inc()
-        return response
+        return await _serve_by(router, strong, router.usage(decision), req, raw_request, create)
     probe = _pinned(req, cheap, stream=False, stream_options=None,
                     **({"logprobs": True} if chat else {} if req.logprobs is not None else {"logprobs": 0}))
     raw_request.state.route = router.usage(policy.first())
@@ -250,13 +252,8 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
                                      headers=headers)
         return JSONResponse(body, headers=headers)
     cheap_tokens = (body.get("usage") or {}).get("completion_tokens")
-    raw_request.state.route = router.usage(escalate, escalated_from=cheap.name, cheap_completion_tokens=cheap_tokens)
-    raw_request.state.answer_cache = strong.answer_cache
-    response = await create(strong, _pinned(req, strong))
-    if response.status_code < 400:
-        router.escalations.labels(router.name).inc()
-        router.requests.labels(router.name, strong.name).inc()
-    return response
+    route = router.usage(escalate, escalated_from=cheap.name, cheap_completion_tokens=cheap_tokens)
+    return await _serve_by(router, strong, route, req, raw_request, create, escalated=True)
 
 
 async def _as_stream(body: dict, chat: bool, include_usage: bool):
