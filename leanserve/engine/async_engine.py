@@ -176,9 +176,10 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests submitted and not yet finished (their streams still registered), plus the server requests
-        held (:meth:`hold`). Takes no lock, so it answers even while the engine thread is stuck holding it."""
-        return len(self._streams) + self._held
+        """The server requests in progress (:meth:`hold`) while any are, else the requests submitted and not yet
+        finished (their streams still registered: the Python API's, or those a server request left behind). Takes
+        no lock, so it answers even while the engine thread is stuck holding it."""
+        return self._held or len(self._streams)
 
     def hold(self) -> None:
         """Count a server request in progress (from its arrival, before its engine requests exist, until it

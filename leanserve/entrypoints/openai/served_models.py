@@ -123,7 +123,7 @@ class ServedModels:
 
     @property
     def num_in_flight(self) -> int:
-        return sum(e.num_in_flight for e in self.engines) + self._held
+        return self._held or sum(e.num_in_flight for e in self.engines)  # see AsyncEngine.num_in_flight
 
     def hold(self) -> None:
         """As :meth:`AsyncEngine.hold`: a server request in progress, which a drain waits for."""
