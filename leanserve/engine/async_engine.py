@@ -142,7 +142,7 @@ class AsyncEngine:
         self._active: set[str] = set()  # engine thread: requests added to the engine and not finished
         self._stopping = False
         self._draining = False
-        self._held = 0  # server requests in progress not yet (or no longer) in _streams (hold / release)
+        self._held = 0  # server requests in progress (hold / release), their engine requests in _streams
         self._dead: BaseException | None = None
         self._beat = time.monotonic()  # engine thread: when its loop last advanced
         self._idle = False  # engine thread: asleep on the condition for lack of work
