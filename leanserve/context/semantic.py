@@ -32,9 +32,14 @@ POLARITY_WORDS = frozenset(
     "first last early late earlier later add remove include exclude buy sell "
     # qualifiers: how often, how soon, how many of them
     "once twice again immediately instantly always only every each all both".split())
-# Words skipped when finding what a negation applies to ("can't I return" negates "return").
-_SCOPE_SKIP = frozenset("i you we they he she it me us them my your our their a an the to be been being is are was "
-                        "were am do does did can could will would shall should may might must have has had".split())
+# Words that carry no content of a question (pronouns, articles, auxiliaries, question words, fillers): left out of
+# content_words, which a negation's scope and the added-modifier check compare.
+_FUNCTION_WORDS = frozenset(
+    "i you we they he she it me us them my your our their a an the to be been being is are was were am do does did "
+    "can could will would shall should may might must have has had "
+    "how what where when why which who whom whose please hi hello hey thanks thank for of on in at with and or but so "
+    "if then than this that these those there here any some yes possible way using use get got much many just "
+    "kindly actually really also still".split())
 NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty".split())}
@@ -77,12 +82,6 @@ def guard_signature(text: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[
         if (i > 0 and word[0].isupper() and word != "I") or any(c.isupper() for c in word[1:]):
             entities.add(word.lower())
     return tuple(numbers), tuple(negated), tuple(sorted(entities)), tuple(polarity)
-
-
-_FUNCTION_WORDS = _SCOPE_SKIP | frozenset(
-    "how what where when why which who whom whose please hi hello hey thanks thank for of on in at with and or but so "
-    "if then than this that these those there here any some yes possible way using use get got much many just "
-    "kindly actually really also still".split())
 
 
 def content_words(text: str) -> tuple[str, ...]:

@@ -229,10 +229,9 @@ def test_the_lifecycle_covers_every_engine():
 def test_model_names_serve_and_plan_accept(capsys):
     """``smollm2-135m`` names the default model's file wherever --model is read (serve, plan, the loader)."""
     from leanserve.cli import main
-    from leanserve.entrypoints.openai.models_config import model_file
     from leanserve.loader import default_model_path, resolve_model_path
 
-    assert model_file("smollm2-135m") == resolve_model_path("smollm2") == default_model_path()
+    assert resolve_model_path("smollm2-135m") == resolve_model_path("smollm2") == default_model_path()
     assert resolve_model_path("/no/such/file.gguf") == "/no/such/file.gguf"  # not a name: left to the loader
     assert main(["plan", "--model", "smollm2-135m", "--model", "smollm2", "--served-model-name", "a",
                  "--served-model-name", "b"]) == 0

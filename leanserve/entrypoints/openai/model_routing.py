@@ -197,15 +197,16 @@ def _chosen_logprobs(body: dict, chat: bool, echoed: int = 0) -> list[float]:
     return [x for x in (lp.get("token_logprobs") or [])[echoed:] if x is not None]
 
 
-def _echoed_tokens(req: Any, models: ServedModels, cheap: ServedModel) -> int:
-    """Tokens of a completion request's first prompt that ``echo`` puts before its answer (0 without echo)."""
+def _echoed_tokens(req: Any, inp: RouteInput, cheap: ServedModel) -> int:
+    """Tokens of a completion request's first prompt that ``echo`` puts before its answer (0 without echo); a
+    single prompt's count is ``inp``'s already."""
     if isinstance(req, ChatCompletionRequest) or not getattr(req, "echo", False):
         return 0
     prompt = req.prompt
-    first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
-    if isinstance(first, str):
-        return len(cheap.engine.tokenizer.encode(first))
-    return len(first or [])
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return inp.prompt_tokens
+    first = prompt[0] if prompt else []
+    return len(cheap.engine.tokenizer.encode(first)) if isinstance(first, str) else len(first)
 
 
 async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, models: ServedModels,
@@ -227,7 +228,7 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     if response.status_code >= 400:
         return response
     body = json.loads(response.body)
-    token_logprobs = _chosen_logprobs(body, chat, _echoed_tokens(req, models, cheap))
+    token_logprobs = _chosen_logprobs(body, chat, _echoed_tokens(req, inp, cheap))
     nothing_asked = req.max_tokens == 0  # an echo of the prompt only: there is no answer to judge
     escalate = None if nothing_asked else policy.judge(token_logprobs)
     if escalate is not None and why_not_strong is not None:  # the strong model cannot answer it: keep the cheap

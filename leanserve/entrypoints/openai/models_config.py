@@ -135,23 +135,14 @@ def default_served_model_name(model_path: str) -> str:
     return name[:-5] if name.lower().endswith(".gguf") else name
 
 
-def model_file(model: str | None) -> str:
-    """The path the loader will read for ``--model`` (None: the default model; ``gemma3-270m``: its package's file).
-
-    Raises:
-        ModelLoadError: the default model or the Gemma 3 package is not installed.
-    """
-    return resolve_model_path(model)
-
-
 def served_names(specs: list[ModelSpec]) -> list[str]:
     """Each spec's served name (its own, else its file's name), checked unique before any model loads.
 
     Raises:
         InvalidParameterError: two models under one name (e.g. one file twice without names). ModelLoadError: from
-            :func:`model_file`.
+            :func:`leanserve.loader.resolve_model_path`.
     """
-    names = [s.served_model_name or default_served_model_name(model_file(s.engine.model)) for s in specs]
+    names = [s.served_model_name or default_served_model_name(resolve_model_path(s.engine.model)) for s in specs]
     check_unique_names(names)
     return names
 
