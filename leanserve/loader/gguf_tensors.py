@@ -55,6 +55,38 @@ class _FastGGUFReader(gguf.GGUFReader):
         arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
         return arr.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
 
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+        """The stock parse, with arrays of strings and of scalars parsed in one pass instead of one recursive call
+        per element (a 49k-token vocabulary is ~150k elements: ~1.2 s in the stock reader). The parts and data
+        indexes are those the stock reader builds: [item type, length, then per element its parts]."""
+        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, n = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0])
+        offs = orig_offs + 12
+        parts: list[np.ndarray] = [raw_itype, alen]
+        if itype == gguf.GGUFValueType.STRING:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            len_dt = np.dtype(np.uint64).newbyteorder(self.byte_order)
+            for _ in range(n):
+                slen_part = plain[offs:offs + 8].view(len_dt)
+                slen = int(slen_part[0])
+                parts.append(slen_part)
+                parts.append(plain[offs + 8:offs + 8 + slen])
+                offs += 8 + slen
+            types = [gguf.GGUFValueType.ARRAY, itype] if n else [gguf.GGUFValueType.ARRAY]
+            return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), types
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None:  # nested arrays: the stock recursion
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, n)
+        parts += [values[i:i + 1] for i in range(n)]
+        types = [gguf.GGUFValueType.ARRAY, itype] if n else [gguf.GGUFValueType.ARRAY]
+        return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), types
+
 
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
     """Open a GGUF file memory-mapped and parse its metadata and tensor index (no tensor data is read).

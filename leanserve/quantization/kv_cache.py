@@ -15,10 +15,27 @@ from dataclasses import dataclass
 from leanserve.config import ModelConfig
 from leanserve.quantization import check_kv_cache_dtype
 
+import numpy as np
 import torch
 
 SCALE_BYTES = 4  # float32 scale per token and KV head
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+
+
+# numpy dtypes of the same width, for the CPU allocation in :func:`zeroed` (bf16 has none: int16 bits)
+_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.int8: np.int8}
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An all-zero tensor of ``shape`` and ``dtype`` on ``device``: a KV cache pool.
+
+    On CPU it comes from ``calloc`` (``numpy.zeros``): zero by contract, and the kernel maps a large one's pages
+    lazily, so a pool costs no time and no resident memory until its blocks are first written (``torch.zeros``
+    writes every byte at allocation). Elsewhere ``torch.zeros``.
+    """
+    if torch.device(device).type == "cpu" and dtype in _NUMPY_OF:
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -37,8 +54,8 @@ class Int8KVCache:
     def zeros(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
               device: torch.device | str = "cpu") -> Int8KVCache:
         """An all-zero cache (padding slots read as exact zeros)."""
-        return cls(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.int8, device=device),
-                   torch.zeros(num_blocks, block_size, kv_heads, dtype=torch.float32, device=device))
+        return cls(zeroed((num_blocks, block_size, kv_heads, head_dim), torch.int8, device),
+                   zeroed((num_blocks, block_size, kv_heads), torch.float32, device))
 
     @property
     def shape(self) -> torch.Size:

@@ -18,7 +18,7 @@ from leanserve.kernels import native_ops
 from leanserve.model.attention import Q_ROWS_MULTIPLE, AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
 from leanserve.quantization import check_kv_cache_dtype
-from leanserve.quantization.kv_cache import Int8KVCache
+from leanserve.quantization.kv_cache import Int8KVCache, zeroed
 from leanserve.sampling_params import SamplingParams
 from leanserve.structured.grammar import GrammarState, bitmask_words
 from leanserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_rows
@@ -61,8 +61,8 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int | list[int], block_size
                  Int8KVCache.zeros(n, block_size, cfg.num_kv_heads, cfg.head_dim, device=model.device))
                 for n in counts]
     dtype = torch.float16 if kv_cache_dtype == "float16" else dtype or model.dtype
-    return [(torch.zeros((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=model.device),
-             torch.zeros((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=model.device))
+    return [(zeroed((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, model.device),
+             zeroed((n, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, model.device))
             for n in counts]
 
 

@@ -6,6 +6,7 @@ and, last, a replica's process killed mid-run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -233,10 +234,8 @@ def test_killed_replica_fails_over_and_rejoins(fleet):
             posts = [c.post("/v1/completions", json={"model": fleet.model, "prompt": f"Question {i}?",
                                                      "max_tokens": 3}) for i in range(4)]
             replies = await asyncio.wait_for(asyncio.gather(*posts), 90)
-        try:
+        with contextlib.suppress(TimeoutError):  # not seen degraded within 30 s: the assertion below says so
             await asyncio.wait_for(watcher, 30)
-        except asyncio.TimeoutError:
-            pass
         degraded = snapshots[-1]
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
         return homes, victim_pid, t_kill, replies, degraded, results
@@ -245,7 +244,7 @@ def test_killed_replica_fails_over_and_rejoins(fleet):
     victim = homes[0]
     print(f"streams on {homes}; killed {victim} (pid {victim_pid})")
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
-    assert degraded[0] == 200 and degraded[1]["status"] == "degraded", snapshots
+    assert degraded[0] == 200 and degraded[1]["status"] == "degraded", degraded
     assert not degraded[1]["replicas"][victim]["healthy"] and degraded[1]["healthy_replicas"] == 1
     for home, events in zip(homes, results, strict=True):
         assert events[-1] == "[DONE]"

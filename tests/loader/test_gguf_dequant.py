@@ -103,6 +103,8 @@ def test_fast_reader_parses_like_the_stock_reader(write_gguf):
         w.add_bool("b", True)
         w.add_string("s", "text")
         w.add_array("ints", [1, 2, 3])
+        w.add_array("no_strings", [])
+        w.add_array("one_string", [""])
 
     path = write_gguf("meta.gguf", "llama", _tensors_of_every_type(), metadata)
     fast, stock = open_gguf(path), gguf.GGUFReader(path)
@@ -111,6 +113,8 @@ def test_fast_reader_parses_like_the_stock_reader(write_gguf):
     for key, f in stock.fields.items():
         assert fast.fields[key].types == f.types, key
         assert fast.fields[key].contents() == f.contents(), key
+        assert fast.fields[key].data == f.data, key  # the same parts, as the stock reader lays them out
+        assert [(p.dtype, p.tolist()) for p in fast.fields[key].parts] == [(p.dtype, p.tolist()) for p in f.parts]
     assert fast.data_offset == stock.data_offset
     for a, b in zip(fast.tensors, stock.tensors, strict=True):
         assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
