@@ -211,6 +211,10 @@ def test_summary_that_cannot_fit_or_fails_falls_back_to_plain_dropping(client):
                                       "cache": False, "history_summary_tokens": 0}))
     assert "history_summary" not in off["usage"]["leanserve"] or off["usage"]["leanserve"]["history_summary"] is None
     assert off["usage"]["prompt_tokens"] == skipped["usage"]["prompt_tokens"]
+    # a budget no summary can have (the model's whole context): a 400 naming the field
+    r = client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2,
+                                "history_summary_tokens": 2048})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "history_summary_tokens", r.text
 
 
 # ------------------------------------------------------------------------------------------------- passages

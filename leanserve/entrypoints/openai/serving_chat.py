@@ -126,6 +126,10 @@ class OpenAIServingChat:
                                  constraint)
         num_prompt_lp = requested_prompt_logprobs(req.prompt_logprobs, req.stream)
         params = with_prompt_logprobs(params, None if req.stream else num_prompt_lp)  # a stream carries none
+        limit = self.engine.engine.max_model_len
+        if req.history_summary_tokens is not None and req.history_summary_tokens >= limit:
+            raise bad_request(f"history_summary_tokens must be less than the model's context length ({limit}), "
+                              f"got {req.history_summary_tokens}", "history_summary_tokens")
         prompt_ids, ctx = self.render_prompt(req, raw_request, plan.tools)
         if ctx.summary_status == "pending":  # the dropped turns' summary (history_summary.py)
             prompt_ids, ctx = await summarize_history(
