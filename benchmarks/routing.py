@@ -10,7 +10,10 @@ How it runs (Python API, ``leanserve.LLM``, one per model, greedy, the same few-
 2. Policies: ``always-cheap``, ``always-strong``, ``rules`` (prompt length, code, math), ``learned@S`` (WordLlama
    kNN over the set's ``examples`` split, threshold calibrated on its ``calibration`` split to a strong share S),
    ``cascade@E`` (cheap first; escalate when the answer's mean token logprob is under a threshold calibrated on the
-   ``calibration`` split to an escalation share E). The table reports the ``heldout`` split only.
+   ``calibration`` split to an escalation share E), and ``learned x216 outcome`` (knn / logistic x WordLlama /
+   MiniLM, trained on outcome labels of the ``examples`` and ``calibration`` splits together, calibrated on their
+   own leave-one-out / out-of-fold scores; the labelled file is written to
+   ``benchmarks/data/routing_outcome_examples.jsonl``). The table reports the ``heldout`` split only.
 3. Per request: quality = the answer passes its checker (:func:`benchmarks.routing_data.is_correct`); latency =
    the seconds of every model that ran (the cascade: cheap + strong when it escalates) plus the policy's own time;
    compute = 2 x (matmul parameters per token: every projection of every layer and the output head, not the
