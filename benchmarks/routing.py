@@ -10,7 +10,10 @@ How it runs (Python API, ``leanserve.LLM``, one per model, greedy, the same few-
 2. Policies: ``always-cheap``, ``always-strong``, ``rules`` (prompt length, code, math), ``learned@S`` (WordLlama
    kNN over the set's ``examples`` split, threshold calibrated on its ``calibration`` split to a strong share S),
    ``cascade@E`` (cheap first; escalate when the answer's mean token logprob is under a threshold calibrated on the
-   ``calibration`` split to an escalation share E). The table reports the ``heldout`` split only.
+   ``calibration`` split to an escalation share E), and ``learned x216 outcome`` (knn / logistic x WordLlama /
+   MiniLM, trained on outcome labels of the ``examples`` and ``calibration`` splits together, calibrated on their
+   own leave-one-out / out-of-fold scores; the labelled file is written to
+   ``benchmarks/data/routing_outcome_examples.jsonl``). The table reports the ``heldout`` split only.
 3. Per request: quality = the answer passes its checker (:func:`benchmarks.routing_data.is_correct`); latency =
    the seconds of every model that ran (the cascade: cheap + strong when it escalates) plus the policy's own time;
    compute = 2 x (matmul parameters per token: every projection of every layer and the output head, not the
@@ -36,7 +39,11 @@ from pathlib import Path
 from leanserve import LLM, SamplingParams
 
 from benchmarks.common import write_json
-from benchmarks.routing_data import SET_PATH, is_correct
+from benchmarks.routing_data import DATA, SET_PATH, is_correct
+
+# the examples + calibration parts labelled by outcome ("hard": the strong model right, the cheap one wrong),
+# written by each run (the same bytes for the same answers): a learned router's examples file
+OUTCOME_EXAMPLES_PATH = DATA / "routing_outcome_examples.jsonl"
 
 CANDIDATES = {  # name -> LLM keyword arguments
     "smollm2-q4": {"model": None, "quantization": "auto"},  # the default SmolLM2-135M-Instruct Q4_1 file
@@ -181,6 +188,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="only each candidate's quality (batched)")
     ap.add_argument("--strong-shares", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5],
                     help="learned routers: strong-model shares to calibrate to")
+    ap.add_argument("--outcome-shares", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.3],
+                    help="learned routers trained on outcome labels of the examples + calibration parts: shares")
     ap.add_argument("--escalation-shares", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3],
                     help="cascades: escalation shares to calibrate to")
     ap.add_argument("--records", help="replay the answers saved by an earlier run (its *_records.json) instead of "
@@ -194,7 +203,8 @@ def main() -> None:
 
 
 def benchmark(args) -> None:
-    from leanserve.embeddings import WordLlamaEmbedder
+    from leanserve.embeddings import MiniLMEmbedder, WordLlamaEmbedder
+    from leanserve.errors import ModelLoadError
     from leanserve.routing import CascadePolicy, LearnedPolicy, RouteInput, RulesPolicy, calibrate_min_mean_logprob
 
     items = load_set(args.limit)
@@ -275,6 +285,28 @@ def benchmark(args) -> None:
             t = policy.calibrate(calibration_texts, share)
             policies.append((f"learned, {label} labels @{share:.2f}", routed(policy),
                              {"target_share": share, "threshold": t}))
+    # outcome labels on both non-held-out parts (216 requests), calibrated on their own held-out scores (no
+    # calibration texts: leave-one-out for knn, 5-fold out-of-fold for logistic), by classifier and embedding
+    train = by_split["examples"] + by_split["calibration"]
+    won = {it["id"] for it in train if records["strong"][it["id"]].correct and not records["cheap"][it["id"]].correct}
+    wins2 = [it["question"] for it in train if it["id"] in won]
+    rest2 = [it["question"] for it in train if it["id"] not in won]
+    write_jsonl(OUTCOME_EXAMPLES_PATH,
+                [{"text": it["question"], "label": "hard" if it["id"] in won else "easy"} for it in train])
+    embedders = {"WordLlama": embedder}
+    try:
+        embedders["MiniLM"] = MiniLMEmbedder()
+    except ModelLoadError as exc:
+        print(f"skipping the MiniLM routers: {exc}", flush=True)
+    for emb_name, emb in embedders.items():
+        for classifier in ("knn", "logistic"):
+            base2 = LearnedPolicy("cheap", "strong", emb, rest2, wins2, classifier=classifier)
+            for share in args.outcome_shares:
+                policy = copy.copy(base2)
+                t = policy.calibrate(None, share)
+                policies.append((f"learned x216 outcome, {classifier}, {emb_name} @{share:.2f}", routed(policy),
+                                 {"target_share": share, "threshold": t, "classifier": classifier,
+                                  "embedding": emb_name}))
     cal_answers = [records["cheap"][it["id"]].token_logprobs for it in by_split["calibration"]]
     for share in args.escalation_shares:
         t = calibrate_min_mean_logprob(cal_answers, share)
@@ -286,17 +318,23 @@ def benchmark(args) -> None:
     strong_row = rows["always-strong"]
     print(f"\nRouting on {len(heldout)} held-out requests (cheap {args.cheap}, strong {args.strong}; "
           f"{len(ex)} labelled examples, {len(calibration_texts)} calibration requests)")
-    print(f"{'policy':<34}{'to strong':>10}{'quality':>9}{'vs strong':>10}{'latency ms':>12}{'GFLOP/req':>11}"
+    print(f"{'policy':<48}{'to strong':>10}{'quality':>9}{'vs strong':>10}{'latency ms':>12}{'GFLOP/req':>11}"
           f"{'vs strong':>10}")
     for name, r in rows.items():
         r["quality_vs_strong"] = r["quality"] / strong_row["quality"] if strong_row["quality"] else float("nan")
         r["compute_vs_strong"] = r["gflop_per_request"] / strong_row["gflop_per_request"]
-        print(f"{name:<34}{r['strong_share']:>10.2f}{r['quality']:>9.3f}{r['quality_vs_strong']:>9.0%} "
+        print(f"{name:<48}{r['strong_share']:>10.2f}{r['quality']:>9.3f}{r['quality_vs_strong']:>9.0%} "
               f"{r['mean_latency_s'] * 1e3:>11.0f}{r['gflop_per_request']:>11.1f}{r['compute_vs_strong']:>9.0%}")
     quality = {role: {"all": sum(a.correct for a in records[role].values()) / len(items),
                       "heldout_by_category": quality_by(records[role], heldout, "category")} for role in records}
     write_json(args.out, {"items": len(items), "heldout": len(heldout), "models": infos, "quality": quality,
-                          "outcome_hard_examples": len(wins), "policies": rows})
+                          "outcome_hard_examples": len(wins), "outcome_hard_train": len(wins2), "policies": rows})
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {path}")
 
 
 def design_easy(items: list[dict]) -> list[str]:

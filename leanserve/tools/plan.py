@@ -7,6 +7,12 @@ a bf16 scale and zero per group). KV bytes per token are ``2 x layers x KV heads
 scale per token and KV head for int8). For a device memory budget the KV pool is what is left after the weights and
 a reserve for activations; it holds ``pool // kv_bytes_per_token`` tokens, i.e. that many concurrent tokens, or
 ``tokens // max_model_len`` sequences of full length.
+
+A model with sliding-window layers (Gemma 3: 15 of 18 layers see the last 512 keys) is planned as the engine
+allocates it (:mod:`leanserve.core.sliding_window`, :func:`kv_pool_tokens`): its local layers get their own pool,
+bounded by the window and the batch (``max_num_seqs x (cdiv(window, block_size) + 2) + cdiv(max_num_batched_tokens,
+block_size)`` blocks, at the engine's defaults unless given), and the rest of the KV memory holds tokens of the
+global layers only, so a context token costs ``kv_bytes_per_token x global layers / layers``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from leanserve.config import ModelConfig
+from leanserve.config import EngineConfig, ModelConfig
+from leanserve.core.sliding_window import local_pool_size, sliding_window_block_counts
 from leanserve.errors import ModelLoadError
 from leanserve.loader.base import expected_weight_shapes
 from leanserve.quantization.kv_cache import kv_bytes_per_token
@@ -29,6 +36,45 @@ WEIGHT_PRECISIONS: dict[str, tuple[int, int, int]] = {
     "int4": (4, 4, 32),
 }
 KV_DTYPES = {"fp32": ("auto", "float32"), "fp16": ("auto", "float16"), "int8": ("int8", "float32")}
+_ENGINE = EngineConfig()  # the engine's defaults: block_size, max_num_seqs, max_num_batched_tokens
+
+
+def sliding_layers(config: ModelConfig) -> int:
+    """How many of the model's layers are sliding-window (local) layers the engine gives their own pool (0 when
+    none, or when the config has no window)."""
+    if not config.sliding_window:
+        return 0
+    return sum(config.is_sliding(i) for i in range(config.num_layers))
+
+
+def kv_pool_tokens(config: ModelConfig, kv_bytes: int, kv_cache_dtype: str = "auto", model_dtype: str = "float32",
+                   block_size: int | None = None, max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None, max_model_len: int | None = None) -> tuple[int, int]:
+    """(context tokens, local-pool bytes) that ``kv_bytes`` of KV cache hold, as the engine splits it
+    (:class:`leanserve.engine.LLMEngine`): without sliding-window layers ``kv_bytes // kv_bytes_per_token`` tokens
+    and no local pool; with them, the main pool's blocks (global layers only) times ``block_size``, after the local
+    pool's bytes (:func:`~leanserve.core.sliding_window.sliding_window_block_counts`). None arguments take the
+    engine's defaults (``max_num_batched_tokens``: the default, else ``max_model_len``)."""
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, model_dtype)
+    swa = sliding_layers(config)
+    if not swa:
+        return kv_bytes // per_token, 0
+    bs = block_size or _ENGINE.block_size
+    batched = max_num_batched_tokens or _ENGINE.max_num_batched_tokens or max_model_len or \
+        config.max_position_embeddings
+    need = local_pool_size(1 << 62, bs, config.sliding_window, max_num_seqs or _ENGINE.max_num_seqs, batched)
+    plain = kv_bytes // (per_token * bs)
+    main, local = sliding_window_block_counts(plain, kv_bytes, bs, per_token, swa, config.num_layers, need)
+    if main == plain and local == plain:  # too small to split: every layer the same pool
+        return plain * bs, 0
+    return main * bs, local * bs * per_token * swa // config.num_layers
+
+
+def context_kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str = "auto", model_dtype: str = "float32") -> int:
+    """Bytes one more token of context takes: every layer's (:func:`kv_bytes_per_token`), or only the global
+    layers' for a model with sliding-window layers (its local layers' pool is bounded by the window)."""
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, model_dtype)
+    return per_token * (config.num_layers - sliding_layers(config)) // config.num_layers
 
 
 @dataclass
@@ -47,8 +93,10 @@ class FitPlan:
 
     precision: str
     kv_dtype: str
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # every layer's
     kv_pool_bytes: int  # device memory - weights - reserve (0 when negative)
+    context_kv_bytes_per_token: int  # what one more context token takes (sliding-window models: global layers)
+    local_kv_bytes: int  # the sliding-window layers' own pool, bounded by the window (0 without such layers)
     max_tokens: int  # tokens the pool holds, shared by all running sequences
     max_model_len: int
     fits: bool  # the weights fit and at least one max_model_len sequence fits
@@ -113,11 +161,11 @@ def fit_plan(config: ModelConfig, precision: str, kv_dtype: str, device_bytes: i
     kv_name, model_dtype = KV_DTYPES[kv_dtype]
     per_token = kv_bytes_per_token(config, kv_name, model_dtype)
     pool = max(0, device_bytes - weights - reserve_bytes)
-    tokens = pool // per_token
     length = max_model_len or config.max_position_embeddings
+    tokens, local = kv_pool_tokens(config, pool, kv_name, model_dtype, max_model_len=length)
     fits = tokens >= length
-    return FitPlan(precision, kv_dtype, per_token, pool, tokens, length, fits, tokens // length,
-                   tokens - length if fits else 0)
+    return FitPlan(precision, kv_dtype, per_token, pool, context_kv_bytes_per_token(config, kv_name, model_dtype),
+                   local, tokens, length, fits, tokens // length, tokens - length if fits else 0)
 
 
 def plan_report(config: ModelConfig, device_bytes: int | None, max_model_len: int | None = None,
@@ -128,6 +176,10 @@ def plan_report(config: ModelConfig, device_bytes: int | None, max_model_len: in
         "weights": [asdict(weight_plan(config, p)) for p in WEIGHT_PRECISIONS],
         "kv_bytes_per_token": {k: kv_bytes_per_token(config, *KV_DTYPES[k]) for k in KV_DTYPES},
     }
+    if sliding_layers(config):
+        report["sliding_window"] = {"layers": sliding_layers(config), "window": config.sliding_window,
+                                    "context_kv_bytes_per_token": {k: context_kv_bytes_per_token(config, *KV_DTYPES[k])
+                                                                   for k in KV_DTYPES}}
     if device_bytes is not None:
         report["device_bytes"] = device_bytes
         report["fit"] = [asdict(fit_plan(config, p, k, device_bytes, max_model_len, reserve_bytes))
@@ -161,11 +213,15 @@ def set_fit_plan(models: dict[str, ModelConfig], precision: str, kv_dtype: str, 
     weights = sum(weight_plan(c, precision).total_bytes for c in models.values())
     kv_name, model_dtype = KV_DTYPES[kv_dtype]
     pool = max(0, device_bytes - weights - reserve_bytes)
-    seq_bytes = {n: (max_model_len or c.max_position_embeddings) * kv_bytes_per_token(c, kv_name, model_dtype)
+    # a sliding-window model's local pool is a fixed cost (its size at a pool far larger than it); the rest is split
+    local = {n: kv_pool_tokens(c, 1 << 50, kv_name, model_dtype, max_model_len=max_model_len)[1]
+             for n, c in models.items()}
+    seq_bytes = {n: (max_model_len or c.max_position_embeddings) * context_kv_bytes_per_token(c, kv_name, model_dtype)
                  for n, c in models.items()}
     total = sum(seq_bytes.values())
-    seqs = pool // total if total else 0
-    shares = {n: pool * b // total for n, b in seq_bytes.items()} if total else {n: 0 for n in models}
+    rest = max(0, pool - sum(local.values()))
+    seqs = rest // total if total else 0
+    shares = {n: local[n] + rest * b // total for n, b in seq_bytes.items()} if total else {n: 0 for n in models}
     return SetFitPlan(precision, kv_dtype, weights, pool, shares, seqs >= 1, seqs)
 
 
@@ -232,6 +288,12 @@ def format_report(report: dict) -> str:
                      f"{w['total_bytes'] / gb:>16.2f}{w['total_bytes'] / 2**30:>8.2f}")
     lines += ["", "KV cache bytes per token (2 x layers x KV heads x head dim x bytes):"]
     lines += [f"  {k:<6}{v:>10,} B" for k, v in report["kv_bytes_per_token"].items()]
+    if "sliding_window" in report:
+        sw = report["sliding_window"]
+        lines += [f"{sw['layers']} of {cfg['num_layers']} layers are sliding-window ({sw['window']} keys): they get "
+                  "their own pool, bounded by the window and the batch (engine defaults); a context token takes the "
+                  "global layers' bytes:"]
+        lines += [f"  {k:<6}{v:>10,} B" for k, v in sw["context_kv_bytes_per_token"].items()]
     if "fit" in report:
         lines += ["", f"device memory {report['device_bytes'] / gb:.2f} GB:",
                   f"{'weights':<8}{'kv':<6}{'KV pool GB':>11}{'max tokens':>12}{'max_model_len':>14}{'fits':>6}"

@@ -63,7 +63,8 @@ def test_rules_route_by_content_and_length(routed):
     assert body["model"] == "cheap"
     assert body["usage"]["leanserve"]["route"] == {"router": "auto", "policy": "rules", "model": "cheap",
                                                    "reason": "rules: no rule matched", "score": None,
-                                                   "escalated_from": None, "cheap_completion_tokens": None}
+                                                   "escalated_from": None, "cheap_completion_tokens": None,
+                                                   "cheap_history_summary": None}
     code = chat(routed, "auto", "Fix this:\n```python\ndef f(x):\n    return x +\n```").json()
     assert code["model"] == "strong" and code["usage"]["leanserve"]["route"]["reason"].startswith("rules: code")
     assert counter(routed, "leanserve:router_requests_total", router="auto", model_name="strong") == before + 1
@@ -132,3 +133,94 @@ def test_a_cascade_judges_the_answer_not_an_echoed_prompt(routed):
     assert counter(routed, "leanserve:router_escalations_total", router="cascade-up") == up_before
     up = chat(routed, "cascade-up", "Name a primary color.").json()["usage"]["leanserve"]["route"]
     assert up["cheap_completion_tokens"] is not None and up["cheap_completion_tokens"] > 0
+
+
+def sse_chunks(srv: ServerProcess, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{srv.url}{path}", headers=srv.headers, timeout=120, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a primary color."}]}),
+    ("/v1/completions", {"prompt": ["The capital of France is", "One, two,"]}),
+])
+def test_a_kept_streamed_cascade_has_timings_like_other_streams(routed, path, body):
+    """As a named model's stream: ``timings`` (the same keys) on the last chunk that carries a choice, only there;
+    the finish chunks carry ``stop_reason``."""
+    body = {**body, "model": "cascade-keep", "max_tokens": 6, "temperature": 0, "cache": False}
+    kept = sse_chunks(routed, path, body)
+    named = sse_chunks(routed, path, {**body, "model": "cheap"})
+    for chunks in (kept, named):
+        with_choice = [i for i, c in enumerate(chunks) if c["choices"]]
+        timed = [i for i, c in enumerate(chunks) if c.get("timings")]
+        assert timed == [with_choice[-1]], chunks
+        finishes = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert finishes and all("stop_reason" in ch for ch in finishes)
+    assert set(kept[with_choice_last(kept)]["timings"]) == set(named[with_choice_last(named)]["timings"])
+    assert kept[with_choice_last(kept)]["timings"]["ttft_ms"] > 0
+    assert {c["model"] for c in kept} == {"cheap"}
+
+
+def with_choice_last(chunks: list[dict]) -> int:
+    return [i for i, c in enumerate(chunks) if c["choices"]][-1]
+
+
+PLAIN, MATH = "Name a primary color.", "Compute (17 * 4) - 9 + 23."
+
+
+def test_a_batch_of_prompts_is_judged_per_prompt(routed):
+    """Each prompt of a completion batch is judged; one model serves the batch: the strong one when any prompt
+    goes there (text prompts and token-id prompts alike)."""
+    both = completion(routed, "auto", prompt=[PLAIN, MATH], max_tokens=2)
+    route = both["usage"]["leanserve"]["route"]
+    assert both["model"] == "strong" and len(both["choices"]) == 2
+    assert route["reason"].startswith("batch of 2 prompts, 1 to strong; prompt 1: rules: math in prompt")
+    plain = completion(routed, "auto", prompt=[PLAIN, "Name a fruit."], max_tokens=2)
+    assert plain["model"] == "cheap"
+    assert plain["usage"]["leanserve"]["route"]["reason"] == "batch of 2 prompts, 0 to strong; prompt 0: rules: " \
+        "no rule matched"
+    ids = [httpx.post(f"{routed.url}/tokenize", headers=routed.headers, json={"model": "cheap", "prompt": p,
+                                                                              "add_special_tokens": False}
+                      ).json()["tokens"] for p in (MATH, PLAIN)]
+    tokens = completion(routed, "auto", prompt=ids, max_tokens=2)
+    assert tokens["model"] == "strong" and "prompt 0: rules: math" in tokens["usage"]["leanserve"]["route"]["reason"]
+    assert completion(routed, "auto", prompt=[PLAIN], max_tokens=2)["usage"]["leanserve"]["route"]["reason"] == \
+        "rules: no rule matched"  # one prompt in a list: no batch
+
+
+def test_a_cascade_judges_every_prompt_of_a_batch(routed):
+    a, b = "The capital of France is", "One, two,"
+    scores = [completion(routed, "cascade-keep", prompt=p)["usage"]["leanserve"]["route"]["score"] for p in (a, b)]
+    batch = completion(routed, "cascade-keep", prompt=[a, b])
+    route = batch["usage"]["leanserve"]["route"]
+    assert batch["model"] == "cheap" and route["score"] == pytest.approx(min(scores), abs=1e-6)
+    assert route["reason"].startswith(f"batch of 2 prompts; least sure, prompt {scores.index(min(scores))}: cascade")
+    up = completion(routed, "cascade-up", prompt=[a, b])
+    assert up["model"] == "strong" and up["usage"]["leanserve"]["route"]["reason"].startswith(
+        "batch of 2 prompts; prompt 0: cascade: mean logprob")
+    assert len(up["choices"]) == 2
+
+
+def test_an_escalated_cascade_reports_the_cheap_models_history_summary(routed):
+    """With history_summary_tokens each model summarizes the turns its context drops with itself: the strong
+    model's summary is usage.leanserve.history_summary, the cheap one's route.cheap_history_summary."""
+    turns = []
+    for i in range(8):  # about 330 tokens: within both models' 512, over max_prompt_tokens
+        turns += [{"role": "user", "content": f"Tell me fact number {i} about the sea and its tides."},
+                  {"role": "assistant", "content": f"Fact {i}: the sea covers much of the planet and moves daily."}]
+    messages = [{"role": "system", "content": "You are brief."}, *turns,
+                {"role": "user", "content": "Name a primary color."}]
+    r = httpx.post(f"{routed.url}/v1/chat/completions", headers=routed.headers, timeout=300, json={
+        "model": "cascade-up", "messages": messages, "max_tokens": 4, "temperature": 0, "cache": False,
+        "max_prompt_tokens": 200, "history_summary_tokens": 8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    route, strong_summary = body["usage"]["leanserve"]["route"], body["usage"]["leanserve"]["history_summary"]
+    assert body["model"] == "strong" and route["escalated_from"] == "cheap", route
+    cheap_summary = route["cheap_history_summary"]
+    assert cheap_summary["status"] == "computed" and strong_summary["status"] == "computed"
+    assert cheap_summary["prompt_tokens"] > 0 and 1 <= cheap_summary["completion_tokens"] <= 8
+    assert cheap_summary["replaces"] and strong_summary["replaces"]

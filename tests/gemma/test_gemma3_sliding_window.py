@@ -71,3 +71,19 @@ def test_local_pool_bounded_and_outputs_exact(llm, gemma_loaded, gemma_hf):
     assert warm == cold
     assert swa.num_pinned == 0
     assert_no_leaks(engine)
+
+
+def test_plan_counts_what_the_engine_allocates(llm):
+    """``leanserve plan``'s arithmetic (:func:`leanserve.tools.plan.kv_pool_tokens`) gives the engine's own split
+    of the same KV memory: the main pool's tokens and the local pool's bytes."""
+    from leanserve.tools.plan import kv_pool_tokens
+
+    engine = llm.engine
+    swa, bs = engine.kv.sliding_window, engine.config.block_size
+    cfg = engine.model_config
+    tokens, local_bytes = kv_pool_tokens(cfg, 256 << 20, engine.config.kv_cache_dtype, engine.config.dtype, bs,
+                                         engine.config.max_num_seqs, BUDGET)
+    assert tokens == engine.kv.num_blocks * bs
+    local_layers = sum(cfg.is_sliding(i) for i in range(cfg.num_layers))
+    assert local_bytes == swa.num_local_blocks * bs * engine.kv_bytes_per_token * local_layers // cfg.num_layers
+    assert tokens > (256 << 20) // engine.kv_bytes_per_token  # more than counting every layer

@@ -22,6 +22,7 @@ from leanserve.routing import (
     parse_router_flag,
     threshold_for_share,
 )
+from leanserve.routing.learned import fit_logistic, text_features
 
 import numpy as np
 import pytest
@@ -180,6 +181,91 @@ def test_learned_bad_parameters():
     assert e.value.param == "examples"
 
 
+def test_learned_bad_classifier_and_l2():
+    emb = FakeEmbedder({**EASY, **HARD})
+    for kwargs, param in (({"classifier": "svm"}, "classifier"), ({"classifier": "logistic", "l2": 0}, "l2"),
+                          ({"l2": -1.0}, "l2")):
+        with pytest.raises(RouterConfigError) as e:
+            LearnedPolicy("a", "b", emb, list(EASY), list(HARD), **kwargs)
+        assert e.value.param == param
+
+
+def test_text_features():
+    assert text_features("Compute (23 * 7) - 15 + 48.") == pytest.approx(
+        [math.log1p(8), math.log1p(27), 0.0, 1.0])  # 8 words: split on spaces
+    assert text_features("def f(x):\n    return x") == pytest.approx([math.log1p(4), math.log1p(22), 1.0, 0.0])
+
+
+def _logistic_data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(60, 3)) * [1.0, 5.0, 0.2] + [0.0, 2.0, -1.0]
+    y = (x[:, 0] + 0.3 * x[:, 1] + rng.normal(scale=1.0, size=60) > 0.5).astype(float)
+    return x, y
+
+
+def test_fit_logistic_is_the_penalized_optimum():
+    """At the fitted weights the penalized log-loss' gradient is 0 (its unique minimum), and the weights are
+    scikit-learn's (lbfgs on the same standardized features, C = 1 / l2) when it is installed."""
+    x, y = _logistic_data()
+    m = fit_logistic(x, y, l2=2.0)
+    z = (x - x.mean(0)) / x.std(0)
+    np.testing.assert_allclose(m.mean, x.mean(0)) and np.testing.assert_allclose(m.scale, x.std(0))
+    p = 1 / (1 + np.exp(-(z @ m.weights[:-1] + m.weights[-1])))
+    np.testing.assert_allclose(z.T @ (p - y) + 2.0 * m.weights[:-1], 0, atol=1e-8)
+    assert abs(float(np.sum(p - y))) < 1e-8  # the unpenalized intercept's gradient
+    np.testing.assert_allclose(m.predict(x), p, rtol=1e-12)
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    ref = sklearn.LogisticRegression(C=1 / 2.0, tol=1e-12, max_iter=10_000).fit(z, y)
+    np.testing.assert_allclose(m.weights[:-1], ref.coef_[0], atol=1e-5)
+    assert m.weights[-1] == pytest.approx(ref.intercept_[0], abs=1e-5)
+
+
+def _logistic(threshold=0.5, extra=None):
+    table = {**EASY, **HARD, **(extra or {})}
+    return LearnedPolicy("small", "big", FakeEmbedder(table), list(EASY), list(HARD), threshold=threshold,
+                         classifier="logistic", l2=1.0)
+
+
+def test_logistic_scores_and_decisions_on_fixed_vectors():
+    """The logistic policy's score is the model fitted by hand on the same features (the 2-D fixed vectors plus
+    text_features), and it decides strong exactly at score >= threshold."""
+    p = _logistic(extra={"q30": _angle(30), "q60": _angle(60), "q85": _angle(85)})
+    names = list(EASY) + list(HARD)
+    x = np.array([[*FakeEmbedder({**EASY, **HARD}).embed([t])[0], *text_features(t)] for t in names])
+    ref = fit_logistic(x, np.array([0, 0, 1, 1.0]), 1.0)
+    queries = ["q30", "q60", "q85"]
+    xq = np.array([[*_angle(a), *text_features(t)] for t, a in zip(queries, (30, 60, 85), strict=True)])
+    got = p.score(queries)
+    np.testing.assert_allclose(got, ref.predict(xq), rtol=1e-6)
+    assert got[0] < 0.5 < got[1] < got[2]  # nearer the hard examples: higher
+    p.threshold = float(got[1])
+    d = p.decide(RouteInput("q60"))
+    assert (d.model, d.policy, d.score) == ("big", "learned", pytest.approx(got[1]))
+    assert d.reason == f"learned: score {got[1]:.2f} >= threshold {got[1]:.2f}"
+    p.threshold = float(np.nextafter(got[1], 1.0))
+    assert p.decide(RouteInput("q60")).model == "small"
+
+
+def test_logistic_example_scores_are_out_of_fold():
+    """Without calibration texts the logistic policy calibrates on out-of-fold scores: each example scored by a
+    model fitted without its fold (5 folds of a seed-0 permutation)."""
+    table = {f"e{a}": _angle(a) for a in range(0, 40, 4)} | {f"h{a}": _angle(a) for a in range(52, 92, 4)}
+    easy, hard = [t for t in table if t[0] == "e"], [t for t in table if t[0] == "h"]
+    p = LearnedPolicy("small", "big", FakeEmbedder(table), easy, hard, classifier="logistic", l2=1.0)
+    names = easy + hard
+    x = np.array([[*_angle(int(t[1:])), *text_features(t)] for t in names])
+    y = np.array([0.0] * len(easy) + [1.0] * len(hard))
+    order = np.random.default_rng(0).permutation(len(names))
+    expected = np.zeros(len(names))
+    for k in range(5):
+        test = order[k::5]
+        train = np.setdiff1d(order, test)
+        expected[test] = fit_logistic(x[train], y[train], 1.0).predict(x[test])
+    np.testing.assert_allclose(p.example_scores(), expected, rtol=1e-6)
+    t = p.calibrate(None, 0.5)
+    assert int((expected >= t).sum()) == 10
+
+
 # --- cascade --------------------------------------------------------------------------------------------------------
 
 
@@ -292,6 +378,32 @@ def test_bad_values_are_named_at_build(tmp_path):
     with pytest.raises(RouterConfigError) as e:
         build_router(spec, served_models=["s", "other"])
     assert e.value.param == "c.strong"
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    ({"embedding": "bert"}, "l.embedding"), ({"classifier": "tree"}, "l.classifier"),
+    ({"classifier": "logistic", "l2": -2}, "l.l2"),
+])
+def test_bad_learned_values_are_named_at_build(tmp_path, params, param):
+    (tmp_path / "ex.jsonl").write_text('{"text": "e1", "label": "easy"}\n{"text": "h1", "label": "hard"}\n')
+    (tmp_path / "r.json").write_text(json.dumps([
+        {"name": "l", "policy": "learned", "cheap": "s", "strong": "b", "examples": "ex.jsonl", **params}]))
+    (spec,) = load_router_specs(tmp_path / "r.json")
+    with pytest.raises(RouterConfigError) as e:
+        build_router(spec, embedder=FakeEmbedder({**EASY, **HARD}))
+    assert e.value.param == param
+
+
+def test_routers_file_logistic(tmp_path):
+    (tmp_path / "ex.jsonl").write_text("".join(json.dumps({"text": t, "label": lab}) + "\n" for t, lab in
+                                               (("e1", "easy"), ("e2", "easy"), ("h1", "hard"), ("h2", "hard"))))
+    (tmp_path / "r.json").write_text(json.dumps([
+        {"name": "l", "policy": "learned", "cheap": "s", "strong": "b", "examples": "ex.jsonl",
+         "classifier": "logistic", "l2": 0.5, "threshold": 0.5}]))
+    (spec,) = load_router_specs(tmp_path / "r.json")
+    p = build_router(spec, embedder=FakeEmbedder({**EASY, **HARD, "q85": _angle(85), "q5": _angle(5)}))
+    assert (p.classifier, p.l2, p.threshold) == ("logistic", 0.5, 0.5)
+    assert p.decide(RouteInput("q85")).model == "b" and p.decide(RouteInput("q5")).model == "s"
 
 
 @pytest.mark.parametrize(("lines", "param"), [

@@ -46,3 +46,34 @@ def test_plan_cli(capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     assert "46,080 B" in out and "12,240 B" in out
     assert main(["plan", "--model", str(tmp_path / "missing.json")]) == 2
+
+
+def test_sliding_window_layers_hold_only_the_window() -> None:
+    """A Gemma-3-like layout (5 of every 6 layers local, window 512): a context token costs the global layers'
+    bytes only, after the local layers' own pool (max_num_seqs x (cdiv(512, 16) + 2) + cdiv(2048, 16) blocks at the
+    engine's defaults); a pool too small to split is planned as one pool for every layer, as the engine does."""
+    import dataclasses
+
+    from leanserve.quantization.kv_cache import kv_bytes_per_token
+    from leanserve.tools.plan import context_kv_bytes_per_token, kv_pool_tokens, sliding_layers
+
+    base = config_from_path(LLAMA2_7B)
+    layers = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(base.num_layers))
+    cfg = dataclasses.replace(base, layer_types=layers, sliding_window=512)
+    per_token = kv_bytes_per_token(cfg, "auto", "float16")
+    assert sliding_layers(cfg) == 27 and sliding_layers(base) == 0
+    assert context_kv_bytes_per_token(cfg, "auto", "float16") == per_token * 5 // 32
+    local = (64 * (32 + 2) + 2048 // 16) * 16 * per_token * 27 // 32
+    pool = 40 * 10**9
+    tokens, local_bytes = kv_pool_tokens(cfg, pool, "auto", "float16")
+    assert local_bytes == local
+    assert tokens == (pool - local) // (16 * per_token * 5 // 32) * 16
+    assert tokens > 3 * pool // per_token  # over 3x the tokens of counting every layer (the local pool: 16 GB)
+    f = fit_plan(cfg, "fp16", "fp16", pool + weight_plan(cfg, "fp16").total_bytes, max_model_len=4096)
+    assert (f.max_tokens, f.local_kv_bytes, f.context_kv_bytes_per_token) == (tokens, local, per_token * 5 // 32)
+    small = 10**9  # under the local pool's bytes: one pool, every layer
+    assert kv_pool_tokens(cfg, small, "auto", "float16") == (small // (per_token * 16) * 16, 0)
+    assert kv_pool_tokens(base, pool, "auto", "float16") == (pool // per_token, 0)
+    report = plan_report(cfg, None)
+    assert report["sliding_window"] == {"layers": 27, "window": 512, "context_kv_bytes_per_token": {
+        "fp32": per_token * 2 * 5 // 32, "fp16": per_token * 5 // 32, "int8": 2 * 32 * 32 * (128 + 4) * 5 // 32}}

@@ -4,13 +4,18 @@
 - Definitions (:func:`router_specs`): ``--model-router`` routes between the first two served models, in the order
   given (``--model CHEAP --model STRONG``); a routers file names its cheap and strong models. Checked before any
   model loads; the policies (a learned router's embedder and calibration) are built after (:func:`build_routers`).
-- Rules and learned routers (:meth:`ServedRouter.decide`): the policy sees the request's user text, its prompt
+- Rules and learned routers (:func:`serve_routed`): the policy sees the request's user text, its prompt
   length in the cheap model's tokens (chat template included) and ``max_tokens``; the chosen model serves the
-  request as if it had been named.
+  request as if it had been named. A completion request with a batch of prompts has each prompt judged; the
+  batch is served by one model, the strong one when any prompt goes there (so that one response has one model).
 - Cascade (:func:`serve_cascade`): the cheap model answers first, non-streamed with its chosen tokens' logprobs
-  (choice 0 is judged); the answer is kept (its logprobs removed unless the client asked for them; a streamed
-  request gets it as a stream: one content chunk per choice, then the finish and usage chunks) or the strong
-  model answers the original request.
+  (each prompt's first choice is judged; any escalation escalates the whole request); the answer is kept (its
+  logprobs removed unless the client asked for them; a streamed request gets it as a stream: one content chunk
+  per choice, then the finish chunks, the last with ``timings``, and the usage chunk) or the strong model
+  answers the original request. With ``history_summary_tokens`` each model summarizes the turns its own context
+  drops, with itself (the strong model's prompt is cut by its own context and tokenizer, and its answer should
+  not rest on the cheap model's summary): an escalated request's ``route.cheap_history_summary`` reports the
+  cheap model's (computed, or reused from its summary cache).
 - The response's ``model`` is the model that answered; ``usage.leanserve.route`` says which router decided what
   and why (:class:`~.protocol.RouteUsage`). Counters: ``leanserve:router_requests_total{router, model}`` and
   ``leanserve:router_escalations_total{router}``.
@@ -35,6 +40,7 @@ from leanserve.routing import (
     RouterSpec,
     build_router,
     load_router_specs,
+    mean_logprob,
     parse_router_flag,
 )
 
@@ -102,19 +108,28 @@ class ServedRouter:
                 tokens = 0
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             return RouteInput.from_chat(messages, tokens, max_tokens)
+        return self.route_inputs(req, models)[0]
+
+    def route_inputs(self, req: Any, models: ServedModels) -> list[RouteInput]:
+        """One :meth:`route_input` per prompt of a completion request (a batch of texts or of token-id lists:
+        each its own text and length; token ids decoded by the cheap model's tokenizer); a chat request's one."""
+        if isinstance(req, ChatCompletionRequest):
+            return [self.route_input(req, models)]
+        tokenizer = models.get(self.spec.cheap).engine.tokenizer
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = "\n".join(prompt)
         if isinstance(prompt, str):
-            return RouteInput(prompt, len(tokenizer.encode(prompt)), req.max_tokens)
-        ids = prompt[0] if prompt and isinstance(prompt[0], list) else prompt or []
-        return RouteInput(tokenizer.decode(ids), len(ids), req.max_tokens)
+            return [RouteInput(prompt, len(tokenizer.encode(prompt)), req.max_tokens)]
+        if prompt and isinstance(prompt[0], str):
+            return [RouteInput(p, len(tokenizer.encode(p)), req.max_tokens) for p in prompt]
+        batches = prompt if prompt and isinstance(prompt[0], list) else [prompt or []]
+        return [RouteInput(tokenizer.decode(ids), len(ids), req.max_tokens) for ids in batches]
 
     def usage(self, decision: RouteDecision, escalated_from: str | None = None,
-              cheap_completion_tokens: int | None = None) -> RouteUsage:
+              cheap_completion_tokens: int | None = None, cheap_history_summary: dict | None = None) -> RouteUsage:
         return RouteUsage(router=self.name, policy=decision.policy, model=decision.model, reason=decision.reason,
                           score=decision.score, escalated_from=escalated_from,
-                          cheap_completion_tokens=cheap_completion_tokens)
+                          cheap_completion_tokens=cheap_completion_tokens,
+                          cheap_history_summary=cheap_history_summary)
 
 
 def build_policies(specs: Sequence[RouterSpec]) -> dict[str, RouterPolicy]:
@@ -168,11 +183,25 @@ async def serve_routed(router: ServedRouter, req: Any, raw_request: Request, mod
     :func:`serve_cascade`."""
     if router.policy.kind == "cascade":
         return await serve_cascade(router, req, raw_request, models, create)
-    inp = router.route_input(req, models)
-    decision = router.policy.decide(inp)
+    inputs = router.route_inputs(req, models)
+    decision = _batch_decision([router.policy.decide(i) for i in inputs], router.spec.strong)
+    inp = max(inputs, key=lambda i: i.prompt_tokens)  # the longest prompt decides what fits
     other = router.spec.strong if decision.model == router.spec.cheap else router.spec.cheap
     decision = _servable(decision, other, req, inp, models)
     return await _serve_by(router, models.get(decision.model), router.usage(decision), req, raw_request, create)
+
+
+def _batch_decision(decisions: Sequence[RouteDecision], strong: str) -> RouteDecision:
+    """One model for a batch of prompts, each judged by the policy: the strong model when any prompt goes there
+    (the first such prompt's reason), else the cheap one; ``score``: the highest score (None when none has one)."""
+    if len(decisions) == 1:
+        return decisions[0]
+    up = [i for i, d in enumerate(decisions) if d.model == strong]
+    first = up[0] if up else 0
+    scores = [d.score for d in decisions if d.score is not None]
+    return RouteDecision(decisions[first].model, decisions[first].policy,
+                         f"batch of {len(decisions)} prompts, {len(up)} to {strong}; prompt {first}: "
+                         f"{decisions[first].reason}", max(scores) if scores else None)
 
 
 async def _serve_by(router: ServedRouter, model: ServedModel, route: RouteUsage, req: Any, raw_request: Request,
@@ -188,25 +217,21 @@ async def _serve_by(router: ServedRouter, model: ServedModel, route: RouteUsage,
     return response
 
 
-def _chosen_logprobs(body: dict, chat: bool, echoed: int = 0) -> list[float]:
-    """Choice 0's chosen-token logprobs in a non-streamed response body, the first ``echoed`` entries (an echoed
-    prompt's) left out."""
-    lp = (body.get("choices") or [{}])[0].get("logprobs") or {}
+def _chosen_logprobs(body: dict, chat: bool, echoed: int = 0, index: int = 0) -> list[float]:
+    """The chosen-token logprobs of choice ``index`` in a non-streamed response body, the first ``echoed`` entries
+    (an echoed prompt's) left out."""
+    choices = {c.get("index"): c for c in body.get("choices") or []}
+    lp = (choices.get(index) or {}).get("logprobs") or {}
     if chat:
         return [t["logprob"] for t in lp.get("content") or []]
     return [x for x in (lp.get("token_logprobs") or [])[echoed:] if x is not None]
 
 
-def _echoed_tokens(req: Any, inp: RouteInput, cheap: ServedModel) -> int:
-    """Tokens of a completion request's first prompt that ``echo`` puts before its answer (0 without echo); a
-    single prompt's count is ``inp``'s already."""
+def _echoed_tokens(req: Any, inp: RouteInput) -> int:
+    """Tokens of a completion prompt that ``echo`` puts before its answer (0 without echo): ``inp``'s count."""
     if isinstance(req, ChatCompletionRequest) or not getattr(req, "echo", False):
         return 0
-    prompt = req.prompt
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        return inp.prompt_tokens
-    first = prompt[0] if prompt else []
-    return len(cheap.engine.tokenizer.encode(first)) if isinstance(first, str) else len(first)
+    return inp.prompt_tokens
 
 
 async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, models: ServedModels,
@@ -215,7 +240,8 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     policy = router.policy
     chat = isinstance(req, ChatCompletionRequest)
     cheap, strong = models.get(policy.cheap), models.get(policy.strong)
-    inp = router.route_input(req, models)
+    inputs = router.route_inputs(req, models)
+    inp = max(inputs, key=lambda i: i.prompt_tokens)  # the longest prompt decides what fits
     why_not_cheap, why_not_strong = _unfit(cheap, req, inp), _unfit(strong, req, inp)
     if why_not_cheap is not None and why_not_strong is None:  # only the strong model can: no cheap answer first
         decision = RouteDecision(strong.name, policy.kind, f"cascade: {cheap.name} {why_not_cheap}, so {strong.name}")
@@ -228,9 +254,19 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     if response.status_code >= 400:
         return response
     body = json.loads(response.body)
-    token_logprobs = _chosen_logprobs(body, chat, _echoed_tokens(req, inp, cheap))
+    # each prompt's first choice is judged (choices are ordered by prompt, n per prompt); any escalation escalates
+    # the batch, and a kept batch reports its least sure answer
+    n = getattr(req, "n", None) or 1
+    answers = [_chosen_logprobs(body, chat, _echoed_tokens(req, i), k * n) for k, i in enumerate(inputs)]
+    judged = [policy.judge(a) for a in answers]
+    worst = min(range(len(answers)), key=lambda k: mean_logprob(answers[k]))
+    token_logprobs = answers[worst]
     nothing_asked = req.max_tokens == 0  # an echo of the prompt only: there is no answer to judge
-    escalate = None if nothing_asked else policy.judge(token_logprobs)
+    up = next((k for k, d in enumerate(judged) if d is not None), None)
+    escalate = None if nothing_asked or up is None else judged[up]
+    if escalate is not None and len(inputs) > 1:
+        escalate = RouteDecision(escalate.model, escalate.policy,
+                                 f"batch of {len(inputs)} prompts; prompt {up}: {escalate.reason}", escalate.score)
     if escalate is not None and why_not_strong is not None:  # the strong model cannot answer it: keep the cheap
         kept = RouteDecision(cheap.name, policy.kind, f"{escalate.reason} refused: {strong.name} {why_not_strong}",
                              escalate.score)
@@ -238,6 +274,9 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     elif escalate is None:
         kept = policy.kept(token_logprobs) if not nothing_asked else RouteDecision(
             cheap.name, policy.kind, "cascade: max_tokens 0, nothing to judge")
+        if len(inputs) > 1 and not nothing_asked:
+            kept = RouteDecision(kept.model, kept.policy, f"batch of {len(inputs)} prompts; least sure, prompt "
+                                 f"{worst}: {kept.reason}", kept.score)
     if escalate is None:
         if chat and not req.logprobs or not chat and req.logprobs is None:
             for choice in body.get("choices", []):
@@ -253,35 +292,46 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
                                      headers=headers)
         return JSONResponse(body, headers=headers)
     cheap_tokens = (body.get("usage") or {}).get("completion_tokens")
-    route = router.usage(escalate, escalated_from=cheap.name, cheap_completion_tokens=cheap_tokens)
+    # the strong model drops and summarizes turns by its own context and tokenizer, with itself: the cheap
+    # model's summary (computed or reused for the cheap answer) is reported, not reused
+    cheap_summary = ((body.get("usage") or {}).get("leanserve") or {}).get("history_summary")
+    route = router.usage(escalate, escalated_from=cheap.name, cheap_completion_tokens=cheap_tokens,
+                         cheap_history_summary=cheap_summary)
     return await _serve_by(router, strong, route, req, raw_request, create, escalated=True)
 
 
 async def _as_stream(body: dict, chat: bool, include_usage: bool):
     """A non-streamed response body as OpenAI's stream: per choice one chunk with its whole content (chat: role,
-    content and tool calls; completions: text and logprobs), then one with its finish reason; then the usage
+    content and tool calls; completions: text and logprobs), then one with its finish reason (and ``stop_reason``),
+    the last of these carrying the body's ``timings`` as every stream's last choice chunk does; then the usage
     chunk when asked; then ``[DONE]``."""
     base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": body["created"], "model": body["model"]}
 
-    def event(choices: list, usage: Any = None) -> str:
+    def event(choices: list, usage: Any = None, timings: Any = None) -> str:
         chunk = {**base, "choices": choices}
         if include_usage:
             chunk["usage"] = usage
+        if timings is not None:
+            chunk["timings"] = timings
         return f"data: {json.dumps(chunk)}\n\n"
 
-    for c in body["choices"]:
+    choices = body["choices"]
+    for n, c in enumerate(choices):
+        finish = {"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"],
+                  "stop_reason": c.get("stop_reason")}
+        timings = body.get("timings") if n == len(choices) - 1 else None
         if chat:
             msg = c.get("message") or {}
             delta = {"role": "assistant", "content": msg.get("content")}
             if msg.get("tool_calls"):
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(msg["tool_calls"])]
             yield event([{"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": None}])
-            yield event([{"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}])
+            yield event([{**finish, "delta": {}}], timings=timings)
         else:
             yield event([{"index": c["index"], "text": c.get("text", ""), "logprobs": c.get("logprobs"),
                           "finish_reason": None}])
-            yield event([{"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}])
+            yield event([{**finish, "text": ""}], timings=timings)
     if include_usage:
         yield f"data: {json.dumps({**base, 'choices': [], 'usage': body.get('usage')})}\n\n"
     yield "data: [DONE]\n\n"

@@ -315,6 +315,9 @@ class RouteUsage(ResponseModel):
     score: float | None = None  # learned: the hardness score; cascade: the cheap answer's mean token logprob
     escalated_from: str | None = None  # cascade: the cheap model whose answer was judged too unsure
     cheap_completion_tokens: int | None = None  # cascade, escalated: tokens the cheap answer had generated
+    # cascade, escalated with history_summary_tokens: the cheap model's own summary of the dropped turns (each
+    # model summarizes with itself; the strong model's is usage.leanserve.history_summary)
+    cheap_history_summary: HistorySummaryUsage | None = None
 
 
 class ContextUsage(ResponseModel):
