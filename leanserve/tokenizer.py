@@ -171,6 +171,10 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included (as ``tokenizers.Tokenizer.get_vocab``)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; special tokens (:meth:`is_special`) are dropped if ``skip_special_tokens``.
 

@@ -163,7 +163,13 @@ class LearnedPolicy:
         return scores
 
     def decide(self, request: RouteInput) -> RouteDecision:
-        s = float(self.score([request.text])[0])
+        return self._decision(float(self.score([request.text])[0]))
+
+    def decide_many(self, requests: Sequence[RouteInput]) -> list[RouteDecision]:
+        """:meth:`decide` for each request, their texts embedded in one ``embed`` call (a completion batch)."""
+        return [self._decision(float(s)) for s in self.score([r.text for r in requests])]
+
+    def _decision(self, s: float) -> RouteDecision:
         if s >= self.threshold:
             return RouteDecision(self.strong, self.kind, f"learned: score {s:.2f} >= threshold {self.threshold:.2f}",
                                  s)
@@ -206,7 +212,9 @@ def threshold_for_share(scores: Sequence[float], strong_share: float) -> float:
 def text_features(text: str) -> list[float]:
     """The logistic classifier's features beyond the embedding: [log(1 + words), log(1 + characters), 1.0 if
     :func:`~leanserve.routing.detect.detect_code` finds code else 0.0, the same for
-    :func:`~leanserve.routing.detect.detect_math`]."""
+    :func:`~leanserve.routing.detect.detect_math`]. The counts are of the whole text (linear, C-speed); the
+    detectors read its bounded window (:func:`~leanserve.routing.detect.window`: the first and last
+    ``WINDOW_CHARS`` characters), so a megabyte text costs milliseconds."""
     return [math.log1p(len(text.split())), math.log1p(len(text)), float(detect_code(text) is not None),
             float(detect_math(text) is not None)]
 

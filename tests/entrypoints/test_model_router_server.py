@@ -224,3 +224,74 @@ def test_an_escalated_cascade_reports_the_cheap_models_history_summary(routed):
     assert cheap_summary["status"] == "computed" and strong_summary["status"] == "computed"
     assert cheap_summary["prompt_tokens"] > 0 and 1 <= cheap_summary["completion_tokens"] <= 8
     assert cheap_summary["replaces"] and strong_summary["replaces"]
+
+
+def test_a_huge_prompt_to_a_router_does_not_stall_the_server(routed):
+    """Issue 18: a long digit run froze the server for seconds in the rules detectors (12 KB: 12 s). The detectors
+    read a bounded window in linear time and the decision runs off the event loop: /health answers meanwhile and
+    the request gets its 400 (too long) fast."""
+    import threading
+    import time
+
+    results: dict[str, httpx.Response] = {}
+
+    def send(key: str, path: str, body: dict) -> None:
+        results[key] = httpx.post(f"{routed.url}{path}", headers=routed.headers, timeout=120, json=body)
+
+    threads = [threading.Thread(target=send, args=("digits", "/v1/completions",
+                                                   {"model": "auto", "prompt": "1" * 50_000, "max_tokens": 1})),
+               threading.Thread(target=send, args=("newlines", "/v1/chat/completions", {
+                   "model": "auto", "messages": [{"role": "user", "content": "hi" + "\n" * 50_000}],
+                   "max_tokens": 1}))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    worst = 0.0
+    while any(t.is_alive() for t in threads) and time.perf_counter() - start < 60:
+        t0 = time.perf_counter()
+        assert httpx.get(f"{routed.url}/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.02)
+    for t in threads:
+        t.join(60)
+    assert worst < 1.0, worst
+    for key in ("digits", "newlines"):
+        r = results[key]
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("model", ["auto", "cascade-keep"])
+def test_bad_token_ids_to_a_router_are_400s_as_for_a_named_model(routed, model):
+    named = httpx.post(f"{routed.url}/v1/completions", headers=routed.headers, timeout=60,
+                       json={"model": "cheap", "prompt": [-1], "max_tokens": 1})
+    for prompt in ([-1], [[5, 6], [10**9]]):
+        r = httpx.post(f"{routed.url}/v1/completions", headers=routed.headers, timeout=60,
+                       json={"model": model, "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert r.json()["error"]["message"] == named.json()["error"]["message"]
+        assert r.json()["error"]["message"].startswith("prompt token ids must be integers in [0, ")
+    # ids the models share (one GGUF file) pass as today
+    ok = completion(routed, "auto", prompt=[504, 3575, 282], max_tokens=2)
+    assert ok["model"] == "cheap" and ok["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cascade_escalates_an_answer_a_stop_string_emptied(routed, stream):
+    """The text the client would get is judged: a stop string at the answer's start leaves it empty, and an
+    empty answer is answered again by the strong model (streamed the same)."""
+    body = {"messages": [{"role": "user", "content": PLAIN}], "max_tokens": 8, "temperature": 0, "cache": False}
+    first = httpx.post(f"{routed.url}/v1/chat/completions", headers=routed.headers, timeout=120,
+                       json={**body, "model": "cheap"}).json()["choices"][0]["message"]["content"]
+    assert first.strip()
+    body = {**body, "model": "cascade-keep", "stop": [first[:2]]}
+    if stream:
+        chunks = sse_chunks(routed, "/v1/chat/completions", body)
+        assert {c["model"] for c in chunks} == {"strong"}
+        assert "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]) == ""
+        return
+    r = httpx.post(f"{routed.url}/v1/chat/completions", headers=routed.headers, timeout=120, json=body).json()
+    assert r["model"] == "strong" and r["choices"][0]["message"]["content"] == ""
+    route = r["usage"]["leanserve"]["route"]
+    assert route["escalated_from"] == "cheap" and "empty cheap answer" in route["reason"]

@@ -70,3 +70,64 @@ def test_a_routed_request_goes_to_the_model_that_can_serve_it():
     assert longer.model == "base" and "chat holds 100 tokens, the request needs 105" in longer.reason
     # neither can: a chat past the chat model's context stays where the policy sent it
     assert _servable(to_chat, "base", chat, RouteInput("hi", 95, 10), registry) == to_chat
+
+
+def _kv_model(name: str, max_len: int, blocks: int, block_size: int = 16):
+    from types import SimpleNamespace
+    admission = SimpleNamespace(block_size=block_size, num_blocks=blocks, kv_capacity_tokens=blocks * block_size)
+    return SimpleNamespace(name=name, engine=SimpleNamespace(tokenizer=SimpleNamespace(chat_template="t"),
+                                                             max_model_len=max_len,
+                                                             engine=SimpleNamespace(admission=admission)))
+
+
+def test_the_fit_check_counts_the_kv_pool_as_admission_does():
+    """A request that fits a model's context but not its KV pool (admission's kv_cache_capacity_exceeded) goes to
+    the other model; when neither fits, the first choice (and so its error) stays."""
+    from types import SimpleNamespace
+
+    from leanserve.entrypoints.openai.model_routing import _servable
+    from leanserve.entrypoints.openai.protocol import CompletionRequest
+    from leanserve.routing import RouteDecision, RouteInput
+
+    models = {"small-kv": _kv_model("small-kv", 2048, 10), "big-kv": _kv_model("big-kv", 2048, 100)}
+    registry = SimpleNamespace(get=models.get)
+    comp = CompletionRequest(model="auto", prompt="hi")
+    to_small = RouteDecision("small-kv", "rules", "rules: no rule matched")
+    assert _servable(to_small, "big-kv", comp, RouteInput("hi", 100, 60), registry) == to_small  # 160 = 10 x 16
+    moved = _servable(to_small, "big-kv", comp, RouteInput("hi", 100, 61), registry)
+    assert moved.model == "big-kv" and "small-kv holds 160 tokens of KV cache, the request needs 161" in moved.reason
+    assert _servable(to_small, "big-kv", comp, RouteInput("hi", 160, None), registry).model == "big-kv"  # prompt + 1
+    assert _servable(to_small, "big-kv", comp, RouteInput("hi", 159, None), registry) == to_small
+    assert _servable(to_small, "big-kv", comp, RouteInput("hi", 1000, 1000), registry) == to_small  # neither fits
+
+
+class _Vocab:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab_size, self._vocab = len(vocab), vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+
+def test_token_id_prompts_need_one_vocabulary():
+    """A router whose models' tokenizers differ refuses token-id prompts (400 naming ``prompt``); text passes."""
+    from types import SimpleNamespace
+
+    from leanserve.entrypoints.openai.model_routing import ServedRouter, same_vocabulary
+    from leanserve.entrypoints.openai.protocol import CompletionRequest
+    from leanserve.entrypoints.openai.serving_common import OpenAIError
+    from leanserve.routing import RouterSpec
+
+    a, b = _Vocab({"a": 0, "b": 1}), _Vocab({"a": 1, "b": 0})
+    assert same_vocabulary(a, a) and same_vocabulary(a, _Vocab({"b": 1, "a": 0})) and not same_vocabulary(a, b)
+    assert not same_vocabulary(a, _Vocab({"a": 0}))
+    tokenizer = SimpleNamespace(encode=lambda text: [0] * len(text), decode=lambda ids: "x" * len(ids))
+    cheap = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
+    models = SimpleNamespace(get=lambda name: cheap)
+    router = ServedRouter(RouterSpec("auto", "rules", "c", "s"), None, None, None, shared_vocab=False)
+    assert router.route_inputs(CompletionRequest(model="auto", prompt="hi"), models)[0].prompt_tokens == 2
+    for prompt in ([1, 2], [[1], [2, 3]]):
+        with pytest.raises(OpenAIError) as e:
+            router.route_inputs(CompletionRequest(model="auto", prompt=prompt), models)
+        assert (e.value.status, e.value.param) == (400, "prompt")
+        assert "share one tokenizer; send text" in e.value.message

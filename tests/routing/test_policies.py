@@ -438,3 +438,27 @@ def test_route_input_from_chat():
     inp = RouteInput.from_chat(messages, prompt_tokens=40, max_tokens=8)
     assert inp == RouteInput("Hello\nCompute 17 * 4", 40, 8)
     assert RouteInput.from_chat([{"role": "system", "content": "x"}]).text == ""
+
+
+def test_a_batch_is_embedded_in_one_call():
+    """decide_many (a completion batch routed by a learned router) embeds every prompt in one embed call and
+    decides as decide does, prompt by prompt."""
+    from leanserve.entrypoints.openai.model_routing import _decide
+    from leanserve.routing import RouteInput
+
+    p = _learned(extra={"q5": _angle(5), "q85": _angle(85), "q45": _angle(45)})
+    inputs = [RouteInput(t) for t in ("q5", "q85", "q45")]
+    one_by_one = [p.decide(i) for i in inputs]
+    p.embedder.calls = 0
+    assert p.decide_many(inputs) == one_by_one
+    assert p.embedder.calls == 1
+    assert [d.model for d in one_by_one] == ["small", "big", "big"]  # q45 scores 0.5 = the threshold
+
+    class Router:  # what _decide reads of a ServedRouter
+        policy = p
+
+        def route_inputs(self, req, models):
+            return inputs
+
+    p.embedder.calls = 0
+    assert _decide(Router(), None, None) == (inputs, one_by_one) and p.embedder.calls == 1

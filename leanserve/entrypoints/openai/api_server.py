@@ -140,7 +140,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
                                cache))
     default = models.default
     engine, served_model_name, metrics = default.engine, default.name, default.metrics
-    served_routers = build_routers(routers, registry, router_policies)
+    served_routers = build_routers(routers, registry, router_policies, models)
     for r in served_routers.values():  # /tokenize and /detokenize of a router name use its cheap model's tokenizer
         models.add_virtual(r.name, lambda registry, body, cheap=r.spec.cheap: registry.get(cheap))
     if tenants is None and api_key:

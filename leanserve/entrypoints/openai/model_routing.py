@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from leanserve import metric_names as names
 from leanserve.config import ServerConfig
 from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, RouteUsage
 from leanserve.entrypoints.openai.served_models import ServedModel, ServedModels
+from leanserve.entrypoints.openai.serving_common import bad_request
 from leanserve.errors import RouterConfigError
 from leanserve.routing import (
     RouteDecision,
@@ -90,6 +92,7 @@ class ServedRouter:
     policy: RouterPolicy
     requests: Counter
     escalations: Counter
+    shared_vocab: bool = True  # the cheap and strong models' tokenizers have one vocabulary (token-id prompts pass)
 
     @property
     def name(self) -> str:
@@ -112,7 +115,13 @@ class ServedRouter:
 
     def route_inputs(self, req: Any, models: ServedModels) -> list[RouteInput]:
         """One :meth:`route_input` per prompt of a completion request (a batch of texts or of token-id lists:
-        each its own text and length; token ids decoded by the cheap model's tokenizer); a chat request's one."""
+        each its own text and length; token ids decoded by the cheap model's tokenizer); a chat request's one.
+
+        Raises:
+            OpenAIError: a 400 (``param`` ``prompt``) for token ids when the router's models do not share one
+                vocabulary (:attr:`shared_vocab`).
+            InvalidParameterError: ids outside ``[0, V)`` or an empty prompt, as the cheap model's admission says.
+        """
         if isinstance(req, ChatCompletionRequest):
             return [self.route_input(req, models)]
         tokenizer = models.get(self.spec.cheap).engine.tokenizer
@@ -122,6 +131,12 @@ class ServedRouter:
         if prompt and isinstance(prompt[0], str):
             return [RouteInput(p, len(tokenizer.encode(p)), req.max_tokens) for p in prompt]
         batches = prompt if prompt and isinstance(prompt[0], list) else [prompt or []]
+        if not self.shared_vocab:
+            raise bad_request("token-id prompts need a router whose models share one tokenizer; send text",
+                              "prompt")
+        admission = models.get(self.spec.cheap).engine.engine.admission
+        for ids in batches:  # checked as a named model's admission checks them, before decode sees a bad id
+            admission.tokenize(ids)
         return [RouteInput(tokenizer.decode(ids), len(ids), req.max_tokens) for ids in batches]
 
     def usage(self, decision: RouteDecision, escalated_from: str | None = None,
@@ -139,9 +154,11 @@ def build_policies(specs: Sequence[RouterSpec]) -> dict[str, RouterPolicy]:
 
 
 def build_routers(specs: Sequence[RouterSpec], registry: CollectorRegistry,
-                  policies: dict[str, RouterPolicy] | None = None) -> dict[str, ServedRouter]:
+                  policies: dict[str, RouterPolicy] | None = None,
+                  models: ServedModels | None = None) -> dict[str, ServedRouter]:
     """The router models of ``specs`` with counters in ``registry``; ``policies``: built already
-    (:func:`build_policies`; default: built here)."""
+    (:func:`build_policies`; default: built here); ``models``: the served models, whose tokenizers' vocabularies
+    are compared once here (:attr:`ServedRouter.shared_vocab`; None: assumed shared)."""
     if not specs:
         return {}
     policies = policies if policies is not None else build_policies(specs)
@@ -149,17 +166,37 @@ def build_routers(specs: Sequence[RouterSpec], registry: CollectorRegistry,
                        [names.ROUTER_LABEL, names.MODEL_NAME_LABEL], registry=registry)
     escalations = Counter(names.ROUTER_ESCALATIONS, names.ROUTER_HELP[names.ROUTER_ESCALATIONS],
                           [names.ROUTER_LABEL], registry=registry)
-    return {s.name: ServedRouter(s, policies[s.name], requests, escalations) for s in specs}
+    return {s.name: ServedRouter(s, policies[s.name], requests, escalations,
+                                 models is None or same_vocabulary(models.get(s.cheap).engine.tokenizer,
+                                                                   models.get(s.strong).engine.tokenizer))
+            for s in specs}
+
+
+def same_vocabulary(a: Any, b: Any) -> bool:
+    """Whether two tokenizers map the same token strings to the same ids (the same object, or equal
+    ``vocab_size`` and ``get_vocab()``)."""
+    if a is b:
+        return True
+    if getattr(a, "vocab_size", None) != getattr(b, "vocab_size", None):
+        return False
+    return a.get_vocab() == b.get_vocab()
 
 
 def _unfit(model: ServedModel, req: Any, inp: RouteInput) -> str | None:
-    """Why ``model`` cannot serve ``req`` (a chat request and no chat template; a prompt plus ``max_tokens``
-    past its context, counted in the cheap model's tokens), or None."""
+    """Why ``model`` cannot serve ``req``, or None: a chat request and no chat template; or, counted in the cheap
+    model's tokens, the rule admission applies (:meth:`RequestAdmission.admit`): a prompt plus ``max_tokens``
+    past its context, or past its KV pool's token capacity (in whole blocks; without ``max_tokens``, the prompt
+    plus one token)."""
     if isinstance(req, ChatCompletionRequest) and getattr(model.engine.tokenizer, "chat_template", None) is None:
         return "has no chat template"
     need = inp.prompt_tokens + (inp.max_tokens or 0)
     if need > model.engine.max_model_len:
         return f"holds {model.engine.max_model_len} tokens, the request needs {need}"
+    admission = getattr(getattr(model.engine, "engine", None), "admission", None)
+    if admission is not None:
+        kv_need = inp.prompt_tokens + (inp.max_tokens or 1)
+        if -(-kv_need // admission.block_size) > admission.num_blocks:
+            return f"holds {admission.kv_capacity_tokens} tokens of KV cache, the request needs {kv_need}"
     return None
 
 
@@ -183,12 +220,22 @@ async def serve_routed(router: ServedRouter, req: Any, raw_request: Request, mod
     :func:`serve_cascade`."""
     if router.policy.kind == "cascade":
         return await serve_cascade(router, req, raw_request, models, create)
-    inputs = router.route_inputs(req, models)
-    decision = _batch_decision([router.policy.decide(i) for i in inputs], router.spec.strong)
+    inputs, decisions = await asyncio.to_thread(_decide, router, req, models)  # off the event loop
+    decision = _batch_decision(decisions, router.spec.strong)
     inp = max(inputs, key=lambda i: i.prompt_tokens)  # the longest prompt decides what fits
     other = router.spec.strong if decision.model == router.spec.cheap else router.spec.cheap
     decision = _servable(decision, other, req, inp, models)
     return await _serve_by(router, models.get(decision.model), router.usage(decision), req, raw_request, create)
+
+
+def _decide(router: ServedRouter, req: Any, models: ServedModels) -> tuple[list[RouteInput], list[RouteDecision]]:
+    """The request's inputs (tokenized) and the policy's decision for each (a batch in one ``decide_many`` call
+    where the policy has one: the learned router embeds the batch at once); run in a worker thread."""
+    inputs = router.route_inputs(req, models)
+    decide_many = getattr(router.policy, "decide_many", None)
+    if decide_many is not None and len(inputs) > 1:
+        return inputs, list(decide_many(inputs))
+    return inputs, [router.policy.decide(i) for i in inputs]
 
 
 def _batch_decision(decisions: Sequence[RouteDecision], strong: str) -> RouteDecision:
@@ -227,6 +274,16 @@ def _chosen_logprobs(body: dict, chat: bool, echoed: int = 0, index: int = 0) ->
     return [x for x in (lp.get("token_logprobs") or [])[echoed:] if x is not None]
 
 
+def _empty_answer(body: dict, chat: bool, req: Any, index: int = 0) -> bool:
+    """Whether choice ``index`` of a non-streamed body gives the client no answer: chat: no content (or only
+    whitespace) and no tool calls; a completion without ``echo``: an empty (or whitespace) text."""
+    choice = {c.get("index"): c for c in body.get("choices") or []}.get(index) or {}
+    if chat:
+        message = choice.get("message") or {}
+        return not (message.get("content") or "").strip() and not message.get("tool_calls")
+    return not getattr(req, "echo", False) and not (choice.get("text") or "").strip()
+
+
 def _echoed_tokens(req: Any, inp: RouteInput) -> int:
     """Tokens of a completion prompt that ``echo`` puts before its answer (0 without echo): ``inp``'s count."""
     if isinstance(req, ChatCompletionRequest) or not getattr(req, "echo", False):
@@ -240,7 +297,7 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     policy = router.policy
     chat = isinstance(req, ChatCompletionRequest)
     cheap, strong = models.get(policy.cheap), models.get(policy.strong)
-    inputs = router.route_inputs(req, models)
+    inputs = await asyncio.to_thread(router.route_inputs, req, models)  # tokenizing is off the event loop
     inp = max(inputs, key=lambda i: i.prompt_tokens)  # the longest prompt decides what fits
     why_not_cheap, why_not_strong = _unfit(cheap, req, inp), _unfit(strong, req, inp)
     if why_not_cheap is not None and why_not_strong is None:  # only the strong model can: no cheap answer first
@@ -257,7 +314,9 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     # each prompt's first choice is judged (choices are ordered by prompt, n per prompt); any escalation escalates
     # the batch, and a kept batch reports its least sure answer
     n = getattr(req, "n", None) or 1
-    answers = [_chosen_logprobs(body, chat, _echoed_tokens(req, i), k * n) for k, i in enumerate(inputs)]
+    # the answer judged is the text the client gets: one a stop string emptied is an empty answer (escalates)
+    answers = [[] if _empty_answer(body, chat, req, k * n) else
+               _chosen_logprobs(body, chat, _echoed_tokens(req, i), k * n) for k, i in enumerate(inputs)]
     judged = [policy.judge(a) for a in answers]
     worst = min(range(len(answers)), key=lambda k: mean_logprob(answers[k]))
     token_logprobs = answers[worst]
