@@ -57,7 +57,7 @@ ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): reque
 # model routing (leanserve/routing): registered only with --model-router / --model-routers-file
 ROUTER_LABEL = "router"  # the virtual model's name ("auto" or a named router)
 ROUTED_MODEL_LABEL = "model"  # the real model that answered
-ROUTER_REQUESTS = "leanserve:router_requests"  # counter (labels router, model): requests routed, by final model
+ROUTER_REQUESTS = "leanserve:router_requests"  # counter (labels router, model_name): requests routed, by final model
 ROUTER_ESCALATIONS = "leanserve:router_escalations"  # counter (label router): cascade answers escalated
 ROUTER_HELP: dict[str, str] = {
     ROUTER_REQUESTS: "Requests to a virtual router model, by the real model that answered.",

@@ -36,7 +36,7 @@ def test_repeated_model_flags_pair_with_their_names_and_inherit_the_command_line
     assert [(s.engine.model, s.served_model_name) for s in specs] == [("a.gguf", "one"), ("b.gguf", "two")]
     assert all(s.engine.kv_cache_memory == 1 << 26 and s.engine.max_num_seqs == 8 for s in specs)
     assert [s.served_model_name for s in model_specs(base, ["a.gguf", "b.gguf"])] == [None, None]
-    with pytest.raises(InvalidParameterError, match="given 1 times for 2 model") as e:
+    with pytest.raises(InvalidParameterError, match="given 1 time for 2 model") as e:
         model_specs(base, ["a.gguf", "b.gguf"], ["one"])
     assert e.value.param == "served_model_name"
     with pytest.raises(InvalidParameterError, match="two models are served as 'x'"):

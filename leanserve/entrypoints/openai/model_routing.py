@@ -17,7 +17,7 @@
   not rest on the cheap model's summary): an escalated request's ``route.cheap_history_summary`` reports the
   cheap model's (computed, or reused from its summary cache).
 - The response's ``model`` is the model that answered; ``usage.leanserve.route`` says which router decided what
-  and why (:class:`~.protocol.RouteUsage`). Counters: ``leanserve:router_requests_total{router, model}`` and
+  and why (:class:`~.protocol.RouteUsage`). Counters: ``leanserve:router_requests_total{router, model_name}`` and
   ``leanserve:router_escalations_total{router}``.
 """
 

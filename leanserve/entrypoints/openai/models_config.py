@@ -116,8 +116,9 @@ def model_specs(base: EngineConfig, models: list[str] | None = None, served_name
         specs = [_entry_spec(base, e, f"models_config[{i}]") for i, e in enumerate(config_entries)]
     else:
         if names and len(names) != max(len(models), 1):
-            raise InvalidParameterError("served_model_name", f"--served-model-name was given {len(names)} times for "
-                                        f"{max(len(models), 1)} model(s): give one per --model, in the same order")
+            raise InvalidParameterError("served_model_name", f"--served-model-name was given {len(names)} "
+                                        f"time{'s' if len(names) != 1 else ''} for {max(len(models), 1)} "
+                                        "model(s): give one per --model, in the same order")
         files = models or [base.model]
         specs = [ModelSpec(replace(base, model=m), names[i] if names else None) for i, m in enumerate(files)]
     threads = {s.engine.num_threads for s in specs}
