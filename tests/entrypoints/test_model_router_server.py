@@ -160,7 +160,10 @@ def test_a_kept_streamed_cascade_has_timings_like_other_streams(routed, path, bo
         finishes = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
         assert finishes and all("stop_reason" in ch for ch in finishes)
     assert set(kept[with_choice_last(kept)]["timings"]) == set(named[with_choice_last(named)]["timings"])
-    assert kept[with_choice_last(kept)]["timings"]["ttft_ms"] > 0
+    timings = kept[with_choice_last(kept)]["timings"]
+    # the client's first byte comes after the whole cheap answer is generated and judged: its TTFT, not the
+    # internal answer's first token
+    assert timings["ttft_ms"] >= timings["e2e_ms"] > timings["ttft_ms"] - 10_000 and timings["decode_ms"] > 0
     assert {c["model"] for c in kept} == {"cheap"}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from leanserve import metric_names as names
 from leanserve.config import ServerConfig
 from leanserve.entrypoints.openai.protocol import ChatCompletionRequest, RouteUsage
 from leanserve.entrypoints.openai.served_models import ServedModel, ServedModels
-from leanserve.entrypoints.openai.serving_common import bad_request
+from leanserve.entrypoints.openai.serving_common import ARRIVAL_KEY, bad_request
 from leanserve.errors import RouterConfigError
 from leanserve.routing import (
     RouteDecision,
@@ -347,7 +348,8 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
         headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-")}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_as_stream(body, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_as_stream(body, chat, include_usage, raw_request.scope.get(ARRIVAL_KEY)),
+                                     media_type="text/event-stream",
                                      headers=headers)
         return JSONResponse(body, headers=headers)
     cheap_tokens = (body.get("usage") or {}).get("completion_tokens")
@@ -359,11 +361,15 @@ async def serve_cascade(router: ServedRouter, req: Any, raw_request: Request, mo
     return await _serve_by(router, strong, route, req, raw_request, create, escalated=True)
 
 
-async def _as_stream(body: dict, chat: bool, include_usage: bool):
+async def _as_stream(body: dict, chat: bool, include_usage: bool, arrival: float | None = None):
     """A non-streamed response body as OpenAI's stream: per choice one chunk with its whole content (chat: role,
     content and tool calls; completions: text and logprobs), then one with its finish reason (and ``stop_reason``),
     the last of these carrying the body's ``timings`` as every stream's last choice chunk does; then the usage
-    chunk when asked; then ``[DONE]``."""
+    chunk when asked; then ``[DONE]``.
+
+    ``timings.ttft_ms`` is the client's: from ``arrival`` (``time.monotonic()``, the request's arrival) to the
+    first chunk handed to the server (the cheap answer generated and judged); the other timings are the cheap
+    model's. (``vllm:time_to_first_token_seconds`` counts the cheap model's internal request, its first token.)"""
     base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": body["created"], "model": body["model"]}
 
@@ -376,10 +382,14 @@ async def _as_stream(body: dict, chat: bool, include_usage: bool):
         return f"data: {json.dumps(chunk)}\n\n"
 
     choices = body["choices"]
+    first_sent: float | None = None
     for n, c in enumerate(choices):
         finish = {"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"],
                   "stop_reason": c.get("stop_reason")}
+        first_sent = first_sent if first_sent is not None else time.monotonic()  # the next event is sent first
         timings = body.get("timings") if n == len(choices) - 1 else None
+        if timings is not None and arrival is not None:
+            timings = {**timings, "ttft_ms": (first_sent - arrival) * 1000.0}
         if chat:
             msg = c.get("message") or {}
             delta = {"role": "assistant", "content": msg.get("content")}
