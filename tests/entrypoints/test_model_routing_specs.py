@@ -131,3 +131,55 @@ def test_token_id_prompts_need_one_vocabulary():
             router.route_inputs(CompletionRequest(model="auto", prompt=prompt), models)
         assert (e.value.status, e.value.param) == (400, "prompt")
         assert "share one tokenizer; send text" in e.value.message
+
+
+def test_the_routing_decision_runs_off_the_event_loop():
+    """serve_routed decides in a worker thread: a slow policy (here 0.4 s) does not stop other coroutines."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from leanserve.entrypoints.openai.model_routing import build_routers, serve_routed
+    from leanserve.entrypoints.openai.protocol import CompletionRequest
+    from leanserve.routing import RouteDecision, RouterSpec
+
+    from fastapi.responses import Response
+    from prometheus_client import CollectorRegistry
+
+    class SlowPolicy:
+        kind, cheap, strong = "rules", "c", "s"
+
+        def decide(self, request):
+            time.sleep(0.4)
+            return RouteDecision("c", "rules", "slow")
+
+    spec = RouterSpec("auto", "rules", "c", "s")
+    (router,) = build_routers([spec], CollectorRegistry(), {"auto": SlowPolicy()}).values()
+    tokenizer = SimpleNamespace(encode=lambda text: [0] * len(text), chat_template=None)
+    model = _kv_model("c", 2048, 100)
+    model.engine.tokenizer, model.answer_cache = tokenizer, None
+    models = SimpleNamespace(get=lambda name: model)
+    served = []
+
+    async def create(m, req):
+        served.append(req.model)
+        return Response(status_code=200)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        raw = SimpleNamespace(state=SimpleNamespace())
+        response = await serve_routed(router, CompletionRequest(model="auto", prompt="hi"), raw, models, create)
+        task.cancel()
+        return response, ticks
+
+    response, ticks = asyncio.run(main())
+    assert response.status_code == 200 and served == ["c"]
+    assert ticks >= 10  # the loop kept running while the policy decided (0 when decide runs on the loop)
