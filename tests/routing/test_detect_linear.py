@@ -26,7 +26,7 @@ def _seconds(f, text: str, repeats: int = 1) -> float:
 def test_a_megabyte_run_is_judged_fast(unit):
     text = "hi " + unit * (1_000_000 // len(unit))
     for f in (detect.detect_code, detect.detect_math, text_features):
-        assert _seconds(f, text) < 1.0, f.__name__
+        assert _seconds(f, text) < 5.0, f.__name__  # quadratic: minutes; generous for a loaded CI machine
 
 
 @pytest.mark.parametrize("unit", list(RUNS.values()), ids=list(RUNS))
@@ -34,7 +34,8 @@ def test_the_patterns_are_linear_without_the_window(unit):
     for f in (detect._detect_code, detect._detect_math):
         small = _seconds(f, unit * (100_000 // len(unit)), 3)
         big = _seconds(f, unit * (1_000_000 // len(unit)), 2)
-        assert big < 1.0 and big / max(small, 5e-3) < 20, (f.__name__, small, big)
+        # linear: ~10x for 10x the text; quadratic: ~100x (and minutes). Generous for a loaded machine
+        assert big < 10.0 and big / max(small, 5e-3) < 40, (f.__name__, small, big)
 
 
 def test_the_window_keeps_both_ends():
