@@ -294,23 +294,23 @@ inline void prefetch_ahead(const uint8_t* wl, int64_t b, int g0, int g1) {
 
 #if defined(LS_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LS_AVX512_LANE 1
-// lane_tile for one row with 512-bit registers, groups [g0, g1) of the tile: one zmm holds two pairs (p, p + 1) of
+// lane_tile for one row with 512-bit registers, groups [g0, g0 + G) of the tile: one zmm holds two pairs (p, p + 1) of
 // a group's 8 outputs (lanes 0-7 and 8-15, the 32 contiguous bytes of the layout), against the row's pairs p and
 // p + 1 (vpermd of the block's 16 pairs); at the end of a block the two halves are added. The int32 sums are the
 // same integers as the 256-bit path's (integer addition is exact in any order), and the fp32 steps that follow are
 // the same instructions, so the result is bitwise equal to it, in half the multiply-add instructions.
-template <int kBits>
+template <int kBits, int G>
 inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
-                              const int16_t* xq, const float* dx, const float* xs, float* y, int g0, int g1,
+                              const int16_t* xq, const float* dx, const float* xs, float* y, int g0,
                               bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
   constexpr int kPairs = kBits == 4 ? 4 : 8;  // zmm loads per group and block (two pairs each)
-  __m256 acc[8];
-  for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_ps();
+  __m256 acc[G];  // compile-time indices: in registers
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t b = 0; b < nb; ++b) {
-    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g1);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g0 + G);
     const __m512i xb = _mm512_loadu_si512(xq + b * kBlock);  // the block's 16 pairs
     __m512i xv[kBits == 4 ? 8 : 8];
     for (int j = 0; j < kPairs; ++j) {  // pairs (2j, 2j + 1); for 4-bit also (8 + 2j, 9 + 2j), the high nibbles
@@ -318,8 +318,8 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
       if constexpr (kBits == 4)
         xv[4 + j] = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 + 2 * j)), xb);
     }
-    const uint8_t* wb = wl + b * 8 * kBlockBytes;
-    for (int g = g0; g < g1; ++g) {
+    const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
+    for (int g = 0; g < G; ++g) {
       __m512i a = _mm512_setzero_si512();
       for (int j = 0; j < kPairs; ++j) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kBlockBytes + j * 32));
@@ -332,7 +332,7 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
         }
       }
       const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-      const int64_t at = b * 64 + g * 8;
+      const int64_t at = b * 64 + (g0 + g) * 8;
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[b])), acc[g]);
       if constexpr (kBits == 4) {
@@ -341,7 +341,7 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
       }
     }
   }
-  for (int g = g0; g < g1; ++g) _mm256_storeu_ps(y + g * 8, acc[g]);
+  for (int g = 0; g < G; ++g) _mm256_storeu_ps(y + (g0 + g) * 8, acc[g]);
 }
 
 inline __m512i bcast_pair512(const int16_t* p) {  // xq[k], xq[k + 1] in every int32 lane
@@ -350,7 +350,7 @@ inline __m512i bcast_pair512(const int16_t* p) {  // xq[k], xq[k + 1] in every i
   return _mm512_set1_epi32(pair);
 }
 
-// lane_tile for T >= 2 rows with 512-bit registers, groups [g0, g1) of the tile (an even range), in register
+// lane_tile for T >= 2 rows with 512-bit registers, the NQ group pairs from group g0 (even) of the tile, in register
 // sub-tiles of Q group pairs: one zmm holds pair p of two groups g, g + 1 (lanes 0-7: group g's 8 outputs, 8-15:
 // group g + 1's; two 16-byte loads of the layout), against row t's pair p broadcast to all lanes, so that every
 // weight register, unpacked once, serves the T rows. Per block and group pair the zmm of int32 sums holds the same
@@ -358,21 +358,21 @@ inline __m512i bcast_pair512(const int16_t* p) {  // xq[k], xq[k + 1] in every i
 // path's instructions lane by lane (cvtdq2ps, d * dx, one FMA, then for 4-bit the offsets' FMA), in the same order
 // over blocks, on 16 lanes at once: each row's result is bitwise equal to the 256-bit path's and to the one-row
 // tile's, whatever T, Q and the row's place in the tile.
-template <int kBits, int T, int Q>
+template <int kBits, int T, int Q, int NQ>
 inline void lane_tile_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
                              const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
-                             int g0, int g1, bool prefetch) {
+                             int g0, bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
   constexpr int kP = kBits == 4 ? 8 : 16;  // 16-byte loads (8 outputs x one pair) per group and block
-  __m512 acc[T][4];  // [row][group pair of the tile]
+  __m512 acc[T][NQ];  // [row][group pair from g0]: compile-time indices
   for (int t = 0; t < T; ++t)
-    for (int q = 0; q < 4; ++q) acc[t][q] = _mm512_setzero_ps();
+    for (int q = 0; q < NQ; ++q) acc[t][q] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g1);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g0 + 2 * NQ);
     const int16_t* xb = xq + b * kBlock;
-    for (int q0 = g0 / 2; q0 < g1 / 2; q0 += Q) {
-      const uint8_t* wb = wl + (b * 8 + 2 * q0) * kBlockBytes;
+    for (int q0 = 0; q0 < NQ; q0 += Q) {
+      const uint8_t* wb = wl + (b * 8 + g0 + 2 * q0) * kBlockBytes;
       __m512i ai[T][Q];
       for (int t = 0; t < T; ++t)
         for (int j = 0; j < Q; ++j) ai[t][j] = _mm512_setzero_si512();
@@ -403,7 +403,7 @@ inline void lane_tile_avx512(const uint8_t* wl, const uint16_t* dl, const uint16
         }
       }
       for (int j = 0; j < Q; ++j) {
-        const int64_t at = b * 64 + 2 * (q0 + j) * 8;  // the 16 scales of groups 2 (q0 + j) and 2 (q0 + j) + 1
+        const int64_t at = b * 64 + (g0 + 2 * (q0 + j)) * 8;  // the 16 scales of the group pair
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dl + at)));
         for (int t = 0; t < T; ++t)
           acc[t][q0 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t][j]),
@@ -417,29 +417,29 @@ inline void lane_tile_avx512(const uint8_t* wl, const uint16_t* dl, const uint16
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int q = g0 / 2; q < g1 / 2; ++q) _mm512_storeu_ps(y + t * N + q * 16, acc[t][q]);
+    for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(y + t * N + g0 * 8 + q * 16, acc[t][q]);
 }
 #endif
 
-// One tile of 64 outputs (8 groups of 8), groups [g0, g1) of it, for T rows. Per block the tile's 8 groups are
-// contiguous in memory and are walked in order, in register sub-tiles of S groups (8 or 4 for one row; 2 with 2-3
-// rows, where the T x S int32 sums and their weights would not fit in registers otherwise); the fp32 sums of the 8
-// groups live in acc. g1 - g0 is a multiple of S.
-template <int kBits, int T, int S>
+// One tile of 64 outputs (8 groups of 8), the G groups from gbeg of it, for T rows. Per block the tile's 8 groups
+// are contiguous in memory and are walked in order, in register sub-tiles of S groups (8 or 4 for one row; 2 with
+// 2-3 rows, where the T x S int32 sums and their weights would not fit in registers otherwise); the fp32 sums of the
+// G groups live in acc. G is a multiple of S.
+template <int kBits, int T, int S, int G>
 inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
                       const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
-                      int gbeg, int gend, bool prefetch) {
+                      int gbeg, bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;  // one block of 8 outputs
 #ifdef LS_AVX2
-  __m256 acc[T][8];
+  __m256 acc[T][G];  // [row][group from gbeg]: compile-time indices
   for (int t = 0; t < T; ++t)
-    for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[t][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, gbeg, gend);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, gbeg, gbeg + G);
     const int16_t* xb = xq + b * kBlock;
-    for (int g0 = gbeg; g0 < gend; g0 += S) {
-      const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
+    for (int g0 = 0; g0 < G; g0 += S) {
+      const uint8_t* wb = wl + (b * 8 + gbeg + g0) * kBlockBytes;
       __m256i acci[T][S];
       for (int t = 0; t < T; ++t)
         for (int g = 0; g < S; ++g) acci[t][g] = _mm256_setzero_si256();
@@ -471,7 +471,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
         }
       }
       for (int g = 0; g < S; ++g) {
-        const int64_t at = b * 64 + (g0 + g) * 8;
+        const int64_t at = b * 64 + (gbeg + g0 + g) * 8;
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
         for (int t = 0; t < T; ++t)
           acc[t][g0 + g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t][g]),
@@ -485,10 +485,10 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int g = gbeg; g < gend; ++g) _mm256_storeu_ps(y + t * N + g * 8, acc[t][g]);
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(y + t * N + (gbeg + g) * 8, acc[t][g]);
 #else
   for (int t = 0; t < T; ++t)
-    for (int g = gbeg; g < gend; ++g)
+    for (int g = gbeg; g < gbeg + G; ++g)
       for (int l = 0; l < 8; ++l) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -527,25 +527,34 @@ template <int kBits>
 inline void lane_rows(int64_t T, const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
                       const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N, int g0,
                       int g1, bool prefetch) {
+  const bool whole = g1 - g0 == 8;
 #ifdef LS_AVX512_LANE
-  const bool whole = g1 - g0 == 8;  // 4 group pairs: sub-tiles of 4 pairs for 2-4 rows (8-16 int32 sums)
-  switch (T) {
+  switch (T) {  // whole tiles: sub-tiles of 4 group pairs for 2-4 rows (8-16 int32 sums), 2 pairs above
 #define LS_CASE(n, q)                                                                                             \
   case n:                                                                                                         \
-    if (whole) lane_tile_avx512<kBits, n, q>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch);              \
-    else lane_tile_avx512<kBits, n, 2>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch);                   \
+    if (whole) lane_tile_avx512<kBits, n, q, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);               \
+    else lane_tile_avx512<kBits, n, 2, 2>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);                    \
     return;
     LS_CASE(2, 4) LS_CASE(3, 4) LS_CASE(4, 4) LS_CASE(5, 2) LS_CASE(6, 2) LS_CASE(7, 2) LS_CASE(8, 2)
 #undef LS_CASE
-    default: lane_tile1_avx512<kBits>(wl, dl, ml, nb, xq, dx, xs, y, g0, g1, prefetch); return;
+    default:
+      if (whole) lane_tile1_avx512<kBits, 8>(wl, dl, ml, nb, xq, dx, xs, y, g0, prefetch);
+      else lane_tile1_avx512<kBits, 4>(wl, dl, ml, nb, xq, dx, xs, y, g0, prefetch);
+      return;
   }
 #else
   switch (T) {
-    case 3: lane_tile<kBits, 3, 2>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch); return;
-    case 2: lane_tile<kBits, 2, 2>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch); return;
+    case 3:
+      if (whole) lane_tile<kBits, 3, 2, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 3, 2, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      return;
+    case 2:
+      if (whole) lane_tile<kBits, 2, 2, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 2, 2, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      return;
     default:
-      if (g1 - g0 == 8) lane_tile<kBits, 1, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch);
-      else lane_tile<kBits, 1, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, g1, prefetch);
+      if (whole) lane_tile<kBits, 1, 8, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 1, 4, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
       return;
   }
 #endif
