@@ -6,6 +6,7 @@ subprocess and loaded beside this one). Both run in this process, two engines ov
 turns per row count and repeat, so that load from other processes on this shared machine hits both alike; the
 fastest of the repeats is kept. Usage:
     .venv/bin/python -m benchmarks.lane_rows [--baseline /tmp/base] [--repeats 20] [--rows 1,2,3,4,5,6,8,16,32]
+        [--threads N]
 Writes benchmarks/results/lane_rows.json and prints the ratios.
 """
 
@@ -47,10 +48,12 @@ def engine_with(ext, loaded):
     import leanserve.worker.model_runner as runner
     from leanserve import LLM
 
+    import torch
+
     saved = llama.native_ops, runner.native_ops
     llama.native_ops = runner.native_ops = lambda: ext
     try:
-        return LLM(loaded=loaded)
+        return LLM(loaded=loaded, num_threads=torch.get_num_threads())
     finally:
         llama.native_ops, runner.native_ops = saved
 
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="a source tree (holding leanserve/) to compare against")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels' pool's) threads (0: all)")
     ap.add_argument("--out", default="benchmarks/results/lane_rows.json")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
@@ -70,6 +74,8 @@ def main() -> None:
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     exts = {"this": native_ops()} | ({"baseline": baseline_ext(args.baseline)} if args.baseline else {})
     loaded = load_model(None, quantization="auto")
     runners = {k: engine_with(e, loaded).engine.runner for k, e in exts.items()}
