@@ -242,9 +242,11 @@ void gemm(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_
 // lane l accumulates q[n0 + l, k] * xq[m, k] for k = 2p, 2p + 1 (vpmaddwd of the weights' int16 pair against the
 // activations' pair broadcast to all lanes), over the 16 pairs of a block in exact int32, then once per block
 //   y[m, n0 + l] += float(acc) * (d[n0 + l, b] * dx[m, b]) + mn[n0 + l, b] * xs[m, b].
-// Register tiles of 3 rows x 16 outputs (one row: 64 outputs). Each row's result depends only
-// on that row (the same instructions in the same order whatever M and the row's place in it). The same bytes as
-// the file, so one step reads as much memory as the block kernel: it serves every M.
+// Register tiles: with AVX-512 VNNI, 2-8 rows x 32 outputs (zmm: 16 int32 lanes = 2 groups, vpdpwssd), one row x
+// 64 outputs; with AVX2, 2-3 rows x 16 outputs, one row x 64 outputs. Each row's result depends only on that row
+// (its int32 sums are exact, and its fp32 steps are the same instructions in the same order whatever M, the tile
+// and the row's place in it), bitwise equal on both paths. The same bytes as the file, so one step reads as much
+// memory as the block kernel: it serves every M.
 //
 // Lane layout (the file's bytes and scales, permuted once at load), in tiles of 64 outputs = 8 groups of 8 whose
 // bytes for a block are contiguous, so that a task streams one region instead of one per group (8 concurrent
@@ -279,34 +281,36 @@ inline __m256i bcast_pair(const int16_t* p) {  // xq[k], xq[k + 1] in every int3
 
 #ifdef LS_AVX2
 // Software prefetch of the weights kLaneAhead blocks ahead of block b (the tile's blocks, then the next tile's, are
-// contiguous). A decode step streams ~97 MB of weights from DRAM; the hardware prefetcher alone left one thread at
-// ~2/3 of the bandwidth it reaches with this (benchmarks.step_profile / benchmarks.quant --b1-only).
+// contiguous): the bytes of groups [g0, g1) of that block. A decode step streams ~97 MB of weights from DRAM; the
+// hardware prefetcher alone left one thread at ~2/3 of the bandwidth it reaches with this (benchmarks.step_profile
+// / benchmarks.quant --b1-only).
 constexpr int64_t kLaneAhead = 4;
 template <int64_t kBlockBytes>
-inline void prefetch_ahead(const uint8_t* wl, int64_t b) {
-  const char* ahead = reinterpret_cast<const char*>(wl + (b + kLaneAhead) * 8 * kBlockBytes);
-  for (int64_t c = 0; c < 8 * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+inline void prefetch_ahead(const uint8_t* wl, int64_t b, int g0, int g1) {
+  const char* ahead = reinterpret_cast<const char*>(wl + ((b + kLaneAhead) * 8 + g0) * kBlockBytes);
+  for (int64_t c = 0; c < (g1 - g0) * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
 }
 #endif
 
 #if defined(LS_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LS_AVX512_LANE 1
-// lane_tile for one row with 512-bit registers: one zmm holds two pairs (p, p + 1) of a group's 8 outputs (lanes
-// 0-7 and 8-15, the 32 contiguous bytes of the layout), against the row's pairs p and p + 1 (vpermd of the block's
-// 16 pairs); at the end of a block the two halves are added. The int32 sums are the same integers as the 256-bit
-// path's (integer addition is exact in any order), and the fp32 steps that follow are the same instructions, so the
-// result is bitwise equal to it, in half the multiply-add instructions.
-template <int kBits>
+// lane_tile for one row with 512-bit registers, groups [g0, g0 + G) of the tile: one zmm holds two pairs (p, p + 1) of
+// a group's 8 outputs (lanes 0-7 and 8-15, the 32 contiguous bytes of the layout), against the row's pairs p and
+// p + 1 (vpermd of the block's 16 pairs); at the end of a block the two halves are added. The int32 sums are the
+// same integers as the 256-bit path's (integer addition is exact in any order), and the fp32 steps that follow are
+// the same instructions, so the result is bitwise equal to it, in half the multiply-add instructions.
+template <int kBits, int G>
 inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
-                              const int16_t* xq, const float* dx, const float* xs, float* y, bool prefetch) {
+                              const int16_t* xq, const float* dx, const float* xs, float* y, int g0,
+                              bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
   constexpr int kPairs = kBits == 4 ? 4 : 8;  // zmm loads per group and block (two pairs each)
-  __m256 acc[8];
-  for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_ps();
+  __m256 acc[G];  // compile-time indices: in registers
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t b = 0; b < nb; ++b) {
-    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g0 + G);
     const __m512i xb = _mm512_loadu_si512(xq + b * kBlock);  // the block's 16 pairs
     __m512i xv[kBits == 4 ? 8 : 8];
     for (int j = 0; j < kPairs; ++j) {  // pairs (2j, 2j + 1); for 4-bit also (8 + 2j, 9 + 2j), the high nibbles
@@ -314,8 +318,8 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
       if constexpr (kBits == 4)
         xv[4 + j] = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 + 2 * j)), xb);
     }
-    const uint8_t* wb = wl + b * 8 * kBlockBytes;
-    for (int g = 0; g < 8; ++g) {
+    const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
+    for (int g = 0; g < G; ++g) {
       __m512i a = _mm512_setzero_si512();
       for (int j = 0; j < kPairs; ++j) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kBlockBytes + j * 32));
@@ -328,7 +332,7 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
         }
       }
       const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-      const int64_t at = b * 64 + g * 8;
+      const int64_t at = b * 64 + (g0 + g) * 8;
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[b])), acc[g]);
       if constexpr (kBits == 4) {
@@ -337,35 +341,105 @@ inline void lane_tile1_avx512(const uint8_t* wl, const uint16_t* dl, const uint1
       }
     }
   }
-  for (int g = 0; g < 8; ++g) _mm256_storeu_ps(y + g * 8, acc[g]);
+  for (int g = 0; g < G; ++g) _mm256_storeu_ps(y + (g0 + g) * 8, acc[g]);
+}
+
+inline __m512i bcast_pair512(const int16_t* p) {  // xq[k], xq[k + 1] in every int32 lane
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+
+// lane_tile for T >= 2 rows with 512-bit registers, the NQ group pairs from group g0 (even) of the tile, in register
+// sub-tiles of Q group pairs: one zmm holds pair p of two groups g, g + 1 (lanes 0-7: group g's 8 outputs, 8-15:
+// group g + 1's; two 16-byte loads of the layout), against row t's pair p broadcast to all lanes, so that every
+// weight register, unpacked once, serves the T rows. Per block and group pair the zmm of int32 sums holds the same
+// integers as the 256-bit path's two registers (exact in any order), and the fp32 steps that follow are the 256-bit
+// path's instructions lane by lane (cvtdq2ps, d * dx, one FMA, then for 4-bit the offsets' FMA), in the same order
+// over blocks, on 16 lanes at once: each row's result is bitwise equal to the 256-bit path's and to the one-row
+// tile's, whatever T, Q and the row's place in the tile.
+template <int kBits, int T, int Q, int NQ>
+inline void lane_tile_avx512(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
+                             const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
+                             int g0, bool prefetch) {
+  constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
+  constexpr int kP = kBits == 4 ? 8 : 16;  // 16-byte loads (8 outputs x one pair) per group and block
+  __m512 acc[T][NQ];  // [row][group pair from g0]: compile-time indices
+  for (int t = 0; t < T; ++t)
+    for (int q = 0; q < NQ; ++q) acc[t][q] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, g0, g0 + 2 * NQ);
+    const int16_t* xb = xq + b * kBlock;
+    for (int q0 = 0; q0 < NQ; q0 += Q) {
+      const uint8_t* wb = wl + (b * 8 + g0 + 2 * q0) * kBlockBytes;
+      __m512i ai[T][Q];
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < Q; ++j) ai[t][j] = _mm512_setzero_si512();
+      for (int p = 0; p < kP; ++p) {
+        __m512i lo[Q], hi[Q];  // 4-bit: low nibbles = pair p, high nibbles = pair p + 8; 8-bit: lo = pair p
+        for (int j = 0; j < Q; ++j) {
+          const uint8_t* src = wb + 2 * j * kBlockBytes + p * 16;
+          const __m256i raw = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kBlockBytes)), 1);
+          if constexpr (kBits == 4) {
+            const __m512i v = _mm512_cvtepu8_epi16(raw);
+            lo[j] = _mm512_and_si512(v, low4);
+            hi[j] = _mm512_srli_epi16(v, 4);
+          } else {
+            lo[j] = _mm512_cvtepi8_epi16(raw);
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512i xa = bcast_pair512(xb + t * K + 2 * p);
+          if constexpr (kBits == 4) {
+            const __m512i xc = bcast_pair512(xb + t * K + 16 + 2 * p);
+            for (int j = 0; j < Q; ++j) ai[t][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(ai[t][j], lo[j], xa),
+                                                                       hi[j], xc);
+          } else {
+            for (int j = 0; j < Q; ++j) ai[t][j] = _mm512_dpwssd_epi32(ai[t][j], lo[j], xa);
+          }
+        }
+      }
+      for (int j = 0; j < Q; ++j) {
+        const int64_t at = b * 64 + (g0 + 2 * (q0 + j)) * 8;  // the 16 scales of the group pair
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dl + at)));
+        for (int t = 0; t < T; ++t)
+          acc[t][q0 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t][j]),
+                                           _mm512_mul_ps(dv, _mm512_set1_ps(dx[t * nb + b])), acc[t][q0 + j]);
+        if constexpr (kBits == 4) {
+          const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ml + at)));
+          for (int t = 0; t < T; ++t)
+            acc[t][q0 + j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[t * nb + b]), acc[t][q0 + j]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(y + t * N + g0 * 8 + q * 16, acc[t][q]);
 }
 #endif
 
-// One tile of 64 outputs (8 groups of 8) for T rows. Per block the tile's 8 groups are contiguous in memory and are
-// walked in order, in register sub-tiles of S groups (all 8 for one row; 2 with 2-3 rows, where the T x S int32
-// sums and their weights would not fit in registers otherwise); the fp32 sums of the 8 groups live in acc.
-template <int kBits, int T>
+// One tile of 64 outputs (8 groups of 8), the G groups from gbeg of it, for T rows. Per block the tile's 8 groups
+// are contiguous in memory and are walked in order, in register sub-tiles of S groups (8 or 4 for one row; 2 with
+// 2-3 rows, where the T x S int32 sums and their weights would not fit in registers otherwise); the fp32 sums of the
+// G groups live in acc. G is a multiple of S.
+template <int kBits, int T, int S, int G>
 inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
                       const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N,
-                      bool prefetch) {
+                      int gbeg, bool prefetch) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;  // one block of 8 outputs
-#ifdef LS_AVX512_LANE
-  if constexpr (T == 1) {
-    lane_tile1_avx512<kBits>(wl, dl, ml, nb, xq, dx, xs, y, prefetch);
-    return;
-  }
-#endif
 #ifdef LS_AVX2
-  constexpr int S = T == 1 ? 8 : 2;
-  __m256 acc[T][8];
+  __m256 acc[T][G];  // [row][group from gbeg]: compile-time indices
   for (int t = 0; t < T; ++t)
-    for (int g = 0; g < 8; ++g) acc[t][g] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[t][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b);
+    if (prefetch) prefetch_ahead<kBlockBytes>(wl, b, gbeg, gbeg + G);
     const int16_t* xb = xq + b * kBlock;
-    for (int g0 = 0; g0 < 8; g0 += S) {
-      const uint8_t* wb = wl + (b * 8 + g0) * kBlockBytes;
+    for (int g0 = 0; g0 < G; g0 += S) {
+      const uint8_t* wb = wl + (b * 8 + gbeg + g0) * kBlockBytes;
       __m256i acci[T][S];
       for (int t = 0; t < T; ++t)
         for (int g = 0; g < S; ++g) acci[t][g] = _mm256_setzero_si256();
@@ -397,7 +471,7 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
         }
       }
       for (int g = 0; g < S; ++g) {
-        const int64_t at = b * 64 + (g0 + g) * 8;
+        const int64_t at = b * 64 + (gbeg + g0 + g) * 8;
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dl + at)));
         for (int t = 0; t < T; ++t)
           acc[t][g0 + g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t][g]),
@@ -411,10 +485,10 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int g = 0; g < 8; ++g) _mm256_storeu_ps(y + t * N + g * 8, acc[t][g]);
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(y + t * N + (gbeg + g) * 8, acc[t][g]);
 #else
   for (int t = 0; t < T; ++t)
-    for (int g = 0; g < 8; ++g)
+    for (int g = gbeg; g < gbeg + G; ++g)
       for (int l = 0; l < 8; ++l) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -439,36 +513,85 @@ inline void lane_tile(const uint8_t* wl, const uint16_t* dl, const uint16_t* ml,
 #endif
 }
 
+// Rows per register tile: with AVX-512 up to 8 (so that 1 + k verification rows, k <= 7, stream each weight tile
+// once, and a larger batch unpacks a weight register once per 8 rows; 12-row tiles measured no faster), else 3
+// (16 ymm registers).
+#ifdef LS_AVX512_LANE
+constexpr int64_t kLaneTileRows = 8;
+#else
+constexpr int64_t kLaneTileRows = 3;
+#endif
+
+// T rows (1 <= T <= kLaneTileRows) of groups [g0, g1) (4 or 8 groups) of one tile.
+template <int kBits>
+inline void lane_rows(int64_t T, const uint8_t* wl, const uint16_t* dl, const uint16_t* ml, int64_t nb,
+                      const int16_t* xq, const float* dx, const float* xs, int64_t K, float* y, int64_t N, int g0,
+                      int g1, bool prefetch) {
+  const bool whole = g1 - g0 == 8;
+#ifdef LS_AVX512_LANE
+  switch (T) {  // whole tiles: sub-tiles of 4 group pairs for 2-4 rows (8-16 int32 sums), 2 pairs above
+#define LS_CASE(n, q)                                                                                             \
+  case n:                                                                                                         \
+    if (whole) lane_tile_avx512<kBits, n, q, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);               \
+    else lane_tile_avx512<kBits, n, 2, 2>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);                    \
+    return;
+    LS_CASE(2, 4) LS_CASE(3, 4) LS_CASE(4, 4) LS_CASE(5, 2) LS_CASE(6, 2) LS_CASE(7, 2) LS_CASE(8, 2)
+#undef LS_CASE
+    default:
+      if (whole) lane_tile1_avx512<kBits, 8>(wl, dl, ml, nb, xq, dx, xs, y, g0, prefetch);
+      else lane_tile1_avx512<kBits, 4>(wl, dl, ml, nb, xq, dx, xs, y, g0, prefetch);
+      return;
+  }
+#else
+  switch (T) {
+    case 3:
+      if (whole) lane_tile<kBits, 3, 2, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 3, 2, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      return;
+    case 2:
+      if (whole) lane_tile<kBits, 2, 2, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 2, 2, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      return;
+    default:
+      if (whole) lane_tile<kBits, 1, 8, 8>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      else lane_tile<kBits, 1, 4, 4>(wl, dl, ml, nb, xq, dx, xs, K, y, N, g0, prefetch);
+      return;
+  }
+#endif
+}
+
 template <int kBits>
 void lane_gemm_impl(const int16_t* xq, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* lanes,
                     const uint16_t* dl, const uint16_t* ml, int64_t N, float* y) {
   constexpr int64_t kBlockBytes = kBits == 4 ? 128 : 256;
   const int64_t nb = K / kBlock, tiles = N / 64;
   const int64_t tile_bytes = nb * 8 * kBlockBytes, tile_scales = nb * 64;
-  // A task: one tile of 64 outputs (one contiguous region of weights, streamed once and reused from cache) for an
-  // m-block of rows, 3 rows at a time. m-blocks of equal size (a multiple of 3 rows), and enough of them that the
-  // threads get equal shares even for a matrix of few tiles.
-  const int64_t want = (16 + tiles - 1) / tiles;
-  const int64_t mblocks = std::min((M + 2) / 3, std::max((M + kLaneRowsPerTask - 1) / kLaneRowsPerTask, want));
-  const int64_t mrows = ((M + mblocks - 1) / mblocks + 2) / 3 * 3;
-  leanserve::SpinPool::parallel_for(mblocks * tiles, 1, [&](int64_t begin, int64_t end) {
+  // A task: groups [g0, g1) of one tile of 64 outputs (one contiguous region of weights, streamed once and reused
+  // from cache) for an m-block of rows, walked in register tiles of at most kLaneTileRows rows of equal size.
+  // Few rows (decode, the 1 + k rows of speculative verification): one m-block, so that each weight byte is streamed
+  // once, and the threads split the outputs; a tile is split in two halves of 4 groups when the task count is not
+  // a multiple of the pool's threads (e.g. 9 or 15 tiles on 2 threads), so that the threads get equal shares. Many
+  // rows: m-blocks of at most kLaneRowsPerTask rows, whose activations stay in L2.
+  const int64_t mblocks = (M + kLaneRowsPerTask - 1) / kLaneRowsPerTask;
+  const int64_t mrows = (M + mblocks - 1) / mblocks;
+  const int64_t threads = at::get_num_threads();
+  const int64_t halves = threads > 1 && (mblocks * tiles) % threads ? 2 : 1;
+  const int64_t per_mb = tiles * halves;
+  leanserve::SpinPool::parallel_for(mblocks * per_mb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t mb = task / tiles, t = task % tiles;
+      const int64_t mb = task / per_mb, t = task % per_mb / halves, h = task % halves;
+      const int g0 = static_cast<int>(h * 8 / halves), g1 = static_cast<int>((h + 1) * 8 / halves);
       const uint8_t* wl = lanes + t * tile_bytes;
       const uint16_t* dt = dl + t * tile_scales;
       const uint16_t* mt = ml + t * tile_scales;
-      const int64_t m_end = std::min(M, (mb + 1) * mrows);
-      for (int64_t m0 = mb * mrows; m0 < m_end; m0 += 3) {
-        const int16_t* xt = xq + m0 * K;
-        const float* dxt = dx + m0 * nb;
-        const float* xst = xs + m0 * nb;
-        float* yt = y + m0 * N + t * 64;
-        const bool first = m0 == mb * mrows;  // the task's first pass streams the tile: prefetch it then only
-        switch (std::min<int64_t>(3, m_end - m0)) {
-          case 3: lane_tile<kBits, 3>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
-          case 2: lane_tile<kBits, 2>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
-          default: lane_tile<kBits, 1>(wl, dt, mt, nb, xt, dxt, xst, K, yt, N, first); break;
-        }
+      const int64_t m_begin = mb * mrows, m_end = std::min(M, m_begin + mrows);
+      const int64_t passes = (m_end - m_begin + kLaneTileRows - 1) / kLaneTileRows;
+      for (int64_t i = 0; i < passes; ++i) {  // register tiles of equal size (within one row)
+        const int64_t m0 = m_begin + (m_end - m_begin) * i / passes;
+        const int64_t m1 = m_begin + (m_end - m_begin) * (i + 1) / passes;
+        // the task's first pass streams the tile: prefetch it then only
+        lane_rows<kBits>(m1 - m0, wl, dt, mt, nb, xq + m0 * K, dx + m0 * nb, xs + m0 * nb, K, y + m0 * N + t * 64,
+                         N, g0, g1, i == 0);
       }
     }
   });

@@ -25,82 +25,79 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 
+// One ISA's vector operations for block(): a register of kWidth floats, a load of the first n < kWidth floats
+// (the rest zero), and the fixed-order horizontal sum.
 #if defined(__AVX512F__)
-constexpr int64_t kWidth = 16;
+struct Isa {
+  using Vec = __m512;
+  static constexpr int64_t kWidth = 16;
+  struct Tail {
+    __mmask16 mask;
+    explicit Tail(int64_t n) : mask(static_cast<__mmask16>((1u << n) - 1u)) {}
+  };
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load_tail(const float* p, const Tail& t) { return _mm512_maskz_loadu_ps(t.mask, p); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Isa {
+  using Vec = __m256;
+  static constexpr int64_t kWidth = 8;
+  struct Tail {
+    __m256i mask;
+    explicit Tail(int64_t n) {
+      alignas(32) int32_t bits[8];
+      for (int i = 0; i < 8; ++i) bits[i] = i < n ? -1 : 0;
+      mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    }
+  };
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load_tail(const float* p, const Tail& t) { return _mm256_maskload_ps(p, t.mask); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(Vec v) {  // fixed order: (lo + hi) pairwise
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Rows [n0, n1) of y for T input rows, R weight rows at a time (T * R accumulators).
 template <int T, int R>
 void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t full = K / kWidth * kWidth;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1u);
+  using V = Isa::Vec;
+  const int64_t full = K / Isa::kWidth * Isa::kWidth;
+  const Isa::Tail tail(K - full);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    __m512 acc[T][R];
+    V acc[T][R];
     for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < full; k += kWidth) {
-      __m512 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);
+      for (int r = 0; r < R; ++r) acc[t][r] = Isa::zero();
+    for (int64_t k = 0; k < full; k += Isa::kWidth) {
+      V wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = Isa::load(w + (n + r) * K + k);
       for (int t = 0; t < T; ++t) {
-        const __m512 xv = _mm512_loadu_ps(x + t * K + k);
-        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+        const V xv = Isa::load(x + t * K + k);
+        for (int r = 0; r < R; ++r) acc[t][r] = Isa::fmadd(xv, wv[r], acc[t][r]);
       }
     }
     if (full < K) {
-      __m512 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + (n + r) * K + full);
+      V wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = Isa::load_tail(w + (n + r) * K + full, tail);
       for (int t = 0; t < T; ++t) {
-        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + t * K + full);
-        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);
+        const V xv = Isa::load_tail(x + t * K + full, tail);
+        for (int r = 0; r < R; ++r) acc[t][r] = Isa::fmadd(xv, wv[r], acc[t][r]);
       }
     }
     for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) y[t * N + n + r] = _mm512_reduce_add_ps(acc[t][r]);
+      for (int r = 0; r < R; ++r) y[t * N + n + r] = Isa::hsum(acc[t][r]);
   }
   if (n < n1) block<T, 1>(x, w, y, K, N, n, n1);  // the last rows, one at a time (same chain per output)
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kWidth = 8;
-
-inline float hsum(__m256 v) {  // fixed order: (lo + hi) pairwise
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <int T, int R>
-void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t full = K / kWidth * kWidth;
-  alignas(32) int32_t mask_bits[8];
-  for (int i = 0; i < 8; ++i) mask_bits[i] = i < K - full ? -1 : 0;
-  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits));
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m256 acc[T][R];
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < full; k += kWidth) {
-      __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
-      for (int t = 0; t < T; ++t) {
-        const __m256 xv = _mm256_loadu_ps(x + t * K + k);
-        for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
-      }
-    }
-    if (full < K) {
-      __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(w + (n + r) * K + full, tail);
-      for (int t = 0; t < T; ++t) {
-        const __m256 xv = _mm256_maskload_ps(x + t * K + full, tail);
-        for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) y[t * N + n + r] = hsum(acc[t][r]);
-  }
-  if (n < n1) block<T, 1>(x, w, y, K, N, n, n1);
 }
 
 #else

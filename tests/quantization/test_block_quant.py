@@ -69,7 +69,7 @@ def test_block_weight_keeps_the_file_values(tmp_path: Path, qtype: QT) -> None:
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 12, 33, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 64])
 def test_block_matmul_matches_fp32_reference(tmp_path: Path, qtype: QT, m: int) -> None:
     w, expect = _weight(tmp_path, qtype)
     x = torch.randn(m, IN, generator=torch.Generator().manual_seed(m)) * 2
@@ -172,3 +172,28 @@ def test_lane_kernel_isa_paths_are_bitwise_equal(tmp_path: Path, qtype: QT) -> N
         ys[isa] = [w.kernel(x[:1]), w.kernel(x)]
     assert torch.equal(ys["native"][0], ys["avx2"][0]) and torch.equal(ys["native"][1], ys["avx2"][1])
     assert torch.equal(ys["native"][0], ys["native"][1][:1])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_lane_kernel_row_is_bitwise_equal_at_every_m(tmp_path: Path, qtype: QT) -> None:
+    """Each row's lane result is bitwise the same for M = 1..12 and 32 (the AVX-512 register tiles of 2-8 rows, the
+    one-row tile, 2-thread splits into half tiles of 4 groups and 1-thread whole tiles) as the row alone, and as the
+    forced AVX2 path's row alone (where the CPU has AVX-512)."""
+    from leanserve.kernels import build_native_ops
+
+    w, _ = _weight(tmp_path, qtype, out=320)  # 5 tiles: an odd count, split into halves on 2 threads
+    x = torch.randn(32, IN, generator=torch.Generator().manual_seed(21)) * 3
+    alone = torch.cat([w.kernel(x[i:i + 1]) for i in range(32)])
+    if "avx2" in kernel_isa_paths():
+        avx2 = BlockQuantWeight(w.codes, w.d, w.mn, w.bits, build_native_ops("avx2"), w.scratch, lanes=True)
+        assert torch.equal(torch.cat([avx2.kernel(x[i:i + 1]) for i in range(32)]), alone)
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            for m in [*range(1, 13), 32]:
+                y = w.kernel(x[:m])
+                assert torch.equal(y, alone[:m]), (n, m)
+            assert torch.equal(w.kernel(x[5:12]), alone[5:12])  # rows at other places in the tiles
+    finally:
+        torch.set_num_threads(threads)
