@@ -11,6 +11,7 @@ The engines are measured round-robin (repeat 1 of every config, then repeat 2, .
 processes on this shared machine hits them alike; medians are reported. Usage:
     .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512,2048]
         [--no-llama-cpp] [--threads 2] [--b1-only] [--configs "int4 (native Q4_1)"] [--no-kernel-table]
+        [--interleave-peer]
 ``--threads`` sets both engines' threads; ``--b1-only`` measures single-stream decode only (llama.cpp's
 ``llama-bench`` tg and leanserve's, alternating per repeat) for the configs of ``--configs`` (comma-separated names;
 default: all). Writes benchmarks/results/quant.json and prints a table.
@@ -111,11 +112,11 @@ def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
     return len(ids) / out.metrics.prefill_time
 
 
-def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads: int = 2, b1_only: bool = False
-              ) -> dict:
+def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads: int = 2, b1_only: bool = False,
+              bench_only: bool = False) -> dict:
     """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp at each of ``prefill_tokens``: keys
     ``prefill_<n>_tok_s``, and ``prefill_tok_s`` for the first) and ``llama-batched-bench`` (tg at 32); with
-    ``b1_only``, tg at batch 1 alone."""
+    ``b1_only``, tg at batch 1 alone; with ``bench_only``, ``llama-bench`` alone."""
     server = find_llama_server(None)
     if server is None:
         return {"error": "llama.cpp binaries not found (build them as benchmarks/README.md says)"}
@@ -132,7 +133,7 @@ def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads
             res[f"prefill_{row['n_prompt']}_tok_s"] = row["avg_ts"]
             if row["n_prompt"] == prefill_tokens[0]:
                 res["prefill_tok_s"] = row["avg_ts"]
-    if b1_only:
+    if b1_only or bench_only:
         return res
     out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", "8192", "-b",
                           "2048", "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32",
@@ -155,6 +156,9 @@ def main() -> None:
     ap.add_argument("--b1-only", action="store_true", help="single-stream decode only, alternating with llama.cpp")
     ap.add_argument("--configs", default="", help="comma-separated leanserve configs (default: all)")
     ap.add_argument("--no-kernel-table", action="store_true", help="skip the per-kernel product table")
+    ap.add_argument("--interleave-peer", action="store_true",
+                    help="run llama-bench once per repeat, before leanserve's configs (a shared machine's load then "
+                    "hits both alike); its medians are reported")
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     args = ap.parse_args()
     if args.b1_only:
@@ -162,9 +166,11 @@ def main() -> None:
     lengths = [int(v) for v in str(args.prefill_tokens).split(",")]
     names = [n.strip() for n in args.configs.split(",") if n.strip()] or list(CONFIGS)
 
-    # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet)
+    # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet); with --interleave-peer its
+    # llama-bench numbers are the medians of one run per repeat, each just before that repeat's leanserve configs
     peer = {} if args.no_llama_cpp else llama_cpp(str(default_model_path()), args.decode_tokens,
                                                   lengths, args.threads)
+    peer_runs: list[dict] = [peer] if peer else []
     loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
     tok = loaded.tokenizer
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
@@ -178,6 +184,9 @@ def main() -> None:
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompts[:1], 4)
     for rep in range(args.repeats):
+        if args.interleave_peer and not args.no_llama_cpp and rep:
+            peer_runs.append(llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads,
+                                       b1_only=False, bench_only=True))
         for name, llm in llms.items():
             raw[name]["decode_b1"].append(decode_tok_s(llm, prompts[:1], args.decode_tokens))
             raw[name]["decode_b32"].append(decode_tok_s(llm, prompts, args.decode_tokens))
@@ -187,6 +196,12 @@ def main() -> None:
             print(f"repeat {rep + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in raw[name].items()),
                   flush=True)
     results = {n: {f"{k}_tok_s": statistics.median(v) for k, v in r.items()} for n, r in raw.items()}
+    if len(peer_runs) > 1:  # medians of the interleaved llama-bench runs (llama-batched-bench: the first run's)
+        peer["llama_bench_runs"] = peer_runs[1:]
+        for key in ("decode_b1_tok_s", "prefill_tok_s", *(f"prefill_{m}_tok_s" for m in lengths)):
+            values = [r[key] for r in peer_runs if key in r]
+            if values:
+                peer[key] = statistics.median(values)
     for name, llm in llms.items():
         results[name]["weight_bytes"] = llm.engine.model.weight_bytes()
     kv32 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory).engine
