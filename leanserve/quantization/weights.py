@@ -66,7 +66,8 @@ class LinearWeight(Protocol):
       product; it never changes which kernel runs.
     * ``kernel_rows``: how many leading rows of ``x`` are decode tokens (one per sequence; the rest of the step are
       prefill tokens, as the model runner orders a step); None: all rows alike. Only a kernel whose choice must not
-      depend on how a prompt was chunked reads it (:class:`BlockQuantWeight` in file layout).
+      depend on how a prompt was chunked reads it (:class:`BlockQuantWeight`: file layout, and lane layout with a
+      bf16 prefill path).
     * ``invariant_rows``: 0, or batch-invariant mode: every row is computed by the same kernel whatever T is (a
       :class:`FloatWeight` on NumPy's BLAS runs gemm on chunks of exactly ``invariant_rows`` rows; a file-layout
       :class:`BlockQuantWeight` keeps its block kernel at every T; the other kernels are row-invariant already).
