@@ -72,15 +72,21 @@ def resolve_prefill_gemm(mode: str, ext: Any) -> str:
 
 def configure_prefill_gemm(model: Any, mode: str) -> str:
     """Sets the prefill kernel of every lane-layout BlockQuantWeight of ``model.layers`` (attributes of each
-    layer) to ``mode`` (resolved by :func:`resolve_prefill_gemm`), sharing one pair of scratch buffers sized for
-    the largest; the output head and the embedding keep the lane kernel (logits rows are not prefill rows).
+    layer, ``__slots__`` included) to ``mode`` (resolved by :func:`resolve_prefill_gemm`), sharing one pair of
+    scratch buffers sized for the largest; the output head and the embedding keep the lane kernel (logits rows are
+    not prefill rows).
     Returns the resolved mode. Calling it again replaces the previous setting.
 
     Raises:
         InvalidParameterError: an unknown mode."""
     from leanserve.quantization.weights import BlockQuantWeight
 
-    weights = [t for layer in getattr(model, "layers", []) for t in vars(layer).values()
+    def attributes(layer: Any) -> list[Any]:  # a plain object's or a __slots__ class's (Gemma3Layer) attributes
+        if hasattr(layer, "__dict__"):
+            return list(vars(layer).values())
+        return [getattr(layer, name, None) for name in getattr(type(layer), "__slots__", ())]
+
+    weights = [t for layer in getattr(model, "layers", []) for t in attributes(layer)
                if isinstance(t, BlockQuantWeight) and t.lanes]
     ext = weights[0].ext if weights else None
     resolved = resolve_prefill_gemm(mode, ext)
