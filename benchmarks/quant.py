@@ -1,14 +1,17 @@
-"""Quantized vs unquantized, side by side in one run: decode tokens/s at batch 1 and 32, prefill tokens/s, for
-leanserve fp32 (``--quantization none``), int8 (per channel, re-quantized from the dequantized file) and int4
-(the file's native Q4_1, ``--quantization auto``), beside llama.cpp on the same GGUF file; plus the KV tokens the
-int8 cache holds in the memory of the fp32 one; plus, per batch size, the time of one Q4_1 matrix product in each
-kernel (leanserve's lane kernel, which the default runs at every batch size; its block kernel and dequantize + fp32
-GEMM, which a matrix whose width is not a multiple of 64 runs; torch's packed int4 with bf16 activations).
+"""Quantized vs unquantized, side by side in one run: decode tokens/s at batch 1 and 32, prefill tokens/s of
+512- and 2,048-token prompts, for leanserve fp32 (``--quantization none``), int8 (per channel, re-quantized from the
+dequantized file) and int4 (the file's native Q4_1, ``--quantization auto``; its prefill rows on the default
+``--prefill-gemm auto``, and on ``lane`` and ``bf16x3``), beside llama.cpp on the same GGUF file; plus the KV
+tokens the int8 cache holds in the memory of the fp32 one; plus, per batch size, the time of one Q4_1 matrix product in
+each kernel (leanserve's lane kernel, which the default runs at every batch size; its block kernel and dequantize + fp32
+GEMM, which a matrix whose width is not a multiple of 64 runs; torch's packed int4 with bf16 activations; the bf16
+prefill paths).
 
 The engines are measured round-robin (repeat 1 of every config, then repeat 2, ...) so that load from other
 processes on this shared machine hits them alike; medians are reported. Usage:
-    .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512] [--no-llama-cpp]
-        [--threads 2] [--b1-only] [--configs "int4 (native Q4_1)"]
+    .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512,2048]
+        [--no-llama-cpp] [--threads 2] [--b1-only] [--configs "int4 (native Q4_1)"] [--no-kernel-table]
+        [--interleave-peer]
 ``--threads`` sets both engines' threads; ``--b1-only`` measures single-stream decode only (llama.cpp's
 ``llama-bench`` tg and leanserve's, alternating per repeat) for the configs of ``--configs`` (comma-separated names;
 default: all). Writes benchmarks/results/quant.json and prints a table.
@@ -31,16 +34,19 @@ import torch
 
 from benchmarks.common import corpus_text, find_llama_server, peer_env, write_json
 
-# name -> (quantization, use_native_kernels)
-CONFIGS = {"fp32": ("none", True), "int8": ("int8", True), "int4 (native Q4_1)": ("auto", True),
-           "Q4_1, torch kernels": ("auto", False)}
-KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 512)
+# name -> (quantization, use_native_kernels, prefill_gemm)
+CONFIGS = {"fp32": ("none", True, "auto"), "int8": ("int8", True, "auto"),
+           "int4 (native Q4_1)": ("auto", True, "auto"), "Q4_1, torch kernels": ("auto", False, "auto"),
+           "Q4_1 prefill lane": ("auto", True, "lane"),
+           "Q4_1 prefill bf16x3": ("auto", True, "bf16x3")}
+KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 256, 512, 2048)
 PER_OP = "Q4_1, per-op path"  # --b1-only: native Q4_1 with the fused decode off
 
 
 def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Milliseconds per product of the default model's fused gate/up matrix (3072 x 576, Q4_1) with M rows, over
-    all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel."""
+    all 30 layers' matrices in turn (weights cold in cache, as in a forward pass), per kernel (the bf16 prefill
+    paths with their dequantization into a shared bf16 buffer included, and that dequantization alone)."""
     from leanserve.kernels import native_ops
     from leanserve.quantization.weights import BlockQuantWeight, FloatWeight, GroupQuantized, pack_group_quantized
 
@@ -56,6 +62,17 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
         kernels["lane kernel (default)"] = lambda x, b, t, ln: ln.kernel(x)
         kernels["block kernel"] = lambda x, b, t, ln: b.kernel(x)
         kernels["dequantize + fp32 GEMM"] = lambda x, b, t, ln: FloatWeight(b.dequantize()).matmul(x)
+    if ext is not None and hasattr(ext, "bf16_gemm"):  # the prefill paths of --prefill-gemm bf16 / bf16x3
+        from leanserve.quantization.prefill_gemm import Bf16Prefill
+
+        size = 3072 * loaded.config.hidden_size
+        hi, lo = torch.empty(size, dtype=torch.bfloat16), torch.empty(size, dtype=torch.bfloat16)
+        none = torch.empty(0, dtype=torch.bfloat16)
+        bf16, bf16x3 = Bf16Prefill(ext, hi, none), Bf16Prefill(ext, hi, lo)
+        kernels["bf16: dequantize + bf16 GEMM"] = lambda x, b, t, ln: bf16.matmul(ln, x)
+        kernels["bf16x3: dequantize + 3 bf16 products"] = lambda x, b, t, ln: bf16x3.matmul(ln, x)
+        kernels["  of which lane_dequant_bf16 (bf16)"] = lambda x, b, t, ln: ext.lane_dequant_bf16(
+            ln.codes, ln.d, ln._mn(), ln.bits, hi, none)
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for m in KERNEL_ROWS:
         x = torch.randn(m, loaded.config.hidden_size)
@@ -95,21 +112,28 @@ def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
     return len(ids) / out.metrics.prefill_time
 
 
-def llama_cpp(model: str, decode_tokens: int, prefill_tokens: int, threads: int = 2, b1_only: bool = False) -> dict:
-    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp) and ``llama-batched-bench`` (tg at 32); with
-    ``b1_only``, tg at batch 1 alone."""
+def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads: int = 2, b1_only: bool = False,
+              bench_only: bool = False) -> dict:
+    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp at each of ``prefill_tokens``: keys
+    ``prefill_<n>_tok_s``, and ``prefill_tok_s`` for the first) and ``llama-batched-bench`` (tg at 32); with
+    ``b1_only``, tg at batch 1 alone; with ``bench_only``, ``llama-bench`` alone."""
     server = find_llama_server(None)
     if server is None:
         return {"error": "llama.cpp binaries not found (build them as benchmarks/README.md says)"}
     bin_dir = Path(server).parent
     res: dict = {}
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-p",
-                          "0" if b1_only else str(prefill_tokens), "-n", str(decode_tokens), "-r", "3", "-o", "json"],
+                          "0" if b1_only else ",".join(map(str, prefill_tokens)), "-n", str(decode_tokens), "-r",
+                          "3", "-o", "json"],
                          capture_output=True, text=True, timeout=900, env=peer_env())
     for row in json.loads(out.stdout or "[]"):
-        key = "decode_b1_tok_s" if row.get("n_gen") else "prefill_tok_s"
-        res[key] = row["avg_ts"]
-    if b1_only:
+        if row.get("n_gen"):
+            res["decode_b1_tok_s"] = row["avg_ts"]
+        else:
+            res[f"prefill_{row['n_prompt']}_tok_s"] = row["avg_ts"]
+            if row["n_prompt"] == prefill_tokens[0]:
+                res["prefill_tok_s"] = row["avg_ts"]
+    if b1_only or bench_only:
         return res
     out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", "8192", "-b",
                           "2048", "-ub", "512", "-npp", "16", "-ntg", str(decode_tokens), "-npl", "32",
@@ -125,38 +149,59 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths of the prefill measurements")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes of KV pool per engine")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--threads", type=int, default=2, help="threads of both engines")
     ap.add_argument("--b1-only", action="store_true", help="single-stream decode only, alternating with llama.cpp")
     ap.add_argument("--configs", default="", help="comma-separated leanserve configs (default: all)")
+    ap.add_argument("--no-kernel-table", action="store_true", help="skip the per-kernel product table")
+    ap.add_argument("--interleave-peer", action="store_true",
+                    help="run llama-bench once per repeat, before leanserve's configs (a shared machine's load then "
+                    "hits both alike); its medians are reported")
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     args = ap.parse_args()
     if args.b1_only:
         return b1_main(args)
+    lengths = [int(v) for v in str(args.prefill_tokens).split(",")]
+    names = [n.strip() for n in args.configs.split(",") if n.strip()] or list(CONFIGS)
 
-    # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet)
+    # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet); with --interleave-peer its
+    # llama-bench numbers are the medians of one run per repeat, each just before that repeat's leanserve configs
     peer = {} if args.no_llama_cpp else llama_cpp(str(default_model_path()), args.decode_tokens,
-                                                  args.prefill_tokens, args.threads)
+                                                  lengths, args.threads)
+    peer_runs: list[dict] = [peer] if peer else []
     loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
     tok = loaded.tokenizer
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
-    long_ids = ids[:args.prefill_tokens]
+    long_ids = {n: ids[5000:5000 + n] for n in lengths}
     prompts = [ids[1000 + 16 * i:1000 + 16 * (i + 1)] for i in range(32)]
     llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk,
-                      num_threads=args.threads) for name, (q, nk) in CONFIGS.items()}
-    raw: dict[str, dict[str, list[float]]] = {n: {"decode_b1": [], "decode_b32": [], "prefill": []} for n in llms}
+                      num_threads=args.threads, prefill_gemm=pg)
+            for name, (q, nk, pg) in CONFIGS.items() if name in names}
+    raw: dict[str, dict[str, list[float]]] = {
+        n: {"decode_b1": [], "decode_b32": [], "prefill": [], **{f"prefill_{m}": [] for m in lengths}} for n in llms}
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompts[:1], 4)
     for rep in range(args.repeats):
+        if args.interleave_peer and not args.no_llama_cpp and rep:
+            peer_runs.append(llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads,
+                                       b1_only=False, bench_only=True))
         for name, llm in llms.items():
             raw[name]["decode_b1"].append(decode_tok_s(llm, prompts[:1], args.decode_tokens))
             raw[name]["decode_b32"].append(decode_tok_s(llm, prompts, args.decode_tokens))
-            raw[name]["prefill"].append(prefill_tok_s(llm, long_ids))
+            for m in lengths:
+                raw[name][f"prefill_{m}"].append(prefill_tok_s(llm, long_ids[m]))
+            raw[name]["prefill"].append(raw[name][f"prefill_{lengths[0]}"][-1])
             print(f"repeat {rep + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in raw[name].items()),
                   flush=True)
     results = {n: {f"{k}_tok_s": statistics.median(v) for k, v in r.items()} for n, r in raw.items()}
+    if len(peer_runs) > 1:  # medians of the interleaved llama-bench runs (llama-batched-bench: the first run's)
+        peer["llama_bench_runs"] = peer_runs[1:]
+        for key in ("decode_b1_tok_s", "prefill_tok_s", *(f"prefill_{m}_tok_s" for m in lengths)):
+            values = [r[key] for r in peer_runs if key in r]
+            if values:
+                peer[key] = statistics.median(values)
     for name, llm in llms.items():
         results[name]["weight_bytes"] = llm.engine.model.weight_bytes()
     kv32 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory).engine
@@ -164,26 +209,38 @@ def main() -> None:
     kv = {"memory_bytes": args.kv_cache_memory, "fp32_tokens": kv32.kv.num_tokens_capacity(),
           "int8_tokens": kv8.kv.num_tokens_capacity()}
     kv["ratio"] = kv["int8_tokens"] / kv["fp32_tokens"]
-    kernels = kernel_table(loaded)
+    kernels = {} if args.no_kernel_table else kernel_table(loaded)
 
-    base = results["fp32"]
-    print(f"\n{'engine':<22}{'decode b1':>11}{'decode b32':>12}{'prefill':>10}{'b32 vs fp32':>13}{'weights MB':>12}")
+    base = results.get("fp32")
+    pre = "".join(f"{'prefill ' + str(m):>14}" for m in lengths)
+    print(f"\n{'engine':<22}{'decode b1':>11}{'decode b32':>12}{pre}{'b32 vs fp32':>13}{'weights MB':>12}")
     for name, r in results.items():
-        print(f"{name:<22}{r['decode_b1_tok_s']:>11.1f}{r['decode_b32_tok_s']:>12.1f}{r['prefill_tok_s']:>10.1f}"
-              f"{r['decode_b32_tok_s'] / base['decode_b32_tok_s']:>12.2f}x{r['weight_bytes'] / 1e6:>12.1f}")
+        vs = r["decode_b32_tok_s"] / base["decode_b32_tok_s"] if base else float("nan")
+        print(f"{name:<22}{r['decode_b1_tok_s']:>11.1f}{r['decode_b32_tok_s']:>12.1f}"
+              + "".join(f"{r[f'prefill_{m}_tok_s']:>14.1f}" for m in lengths)
+              + f"{vs:>12.2f}x{r['weight_bytes'] / 1e6:>12.1f}")
     if "decode_b1_tok_s" in peer:
         print(f"{'llama.cpp Q4_1':<22}{peer['decode_b1_tok_s']:>11.1f}{peer.get('decode_b32_tok_s') or 0:>12.1f}"
-              f"{peer.get('prefill_tok_s', 0):>10.1f}")
-        ratio = results["int4 (native Q4_1)"]["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
-        print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 1.3x with AVX-512, 1.2x AVX2)")
-        peer["leanserve_q4_1_b1_ratio"] = ratio
+              + "".join(f"{peer.get(f'prefill_{m}_tok_s', 0):>14.1f}" for m in lengths))
+        for name, r in results.items():
+            if name.startswith(("int4", "Q4_1 prefill")):
+                ratios = {m: r[f"prefill_{m}_tok_s"] / peer[f"prefill_{m}_tok_s"] for m in lengths
+                          if peer.get(f"prefill_{m}_tok_s")}
+                peer[f"prefill_ratio {name}"] = ratios
+                print(f"{name} prefill / llama.cpp: " + ", ".join(f"{m}: {v:.2f}x" for m, v in ratios.items())
+                      + " (target >= 4x)")
+        if "int4 (native Q4_1)" in results:
+            ratio = results["int4 (native Q4_1)"]["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
+            print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 1.3x with AVX-512, "
+                  "1.2x AVX2)")
+            peer["leanserve_q4_1_b1_ratio"] = ratio
     else:
         print(f"llama.cpp: {peer}")
     print(f"KV cache in {kv['memory_bytes'] >> 20} MiB: fp32 {kv['fp32_tokens']} tokens, int8 {kv['int8_tokens']} "
           f"tokens ({kv['ratio']:.2f}x; target >= 3.5x)")
     print(f"\nms per 3072x576 Q4_1 product (gate/up), by rows: {'':<4}" + "".join(f"{m:>8}" for m in KERNEL_ROWS))
     for name, row in kernels.items():
-        print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in KERNEL_ROWS))
+        print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in row))
     write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,
                           "kv_cache": kv, "kernel_ms": kernels})
 
@@ -198,7 +255,8 @@ def b1_main(args: argparse.Namespace) -> None:
     ids = loaded.tokenizer.encode(corpus_text(20_000), add_special_tokens=False)
     prompt = [ids[1000:1016]]
     llms = {n: LLM(loaded=loaded, quantization=CONFIGS[n][0], kv_cache_memory=args.kv_cache_memory,
-                   use_native_kernels=CONFIGS[n][1], num_threads=args.threads) for n in names}
+                   use_native_kernels=CONFIGS[n][1], num_threads=args.threads, prefill_gemm=CONFIGS[n][2])
+            for n in names}
     if "int4 (native Q4_1)" in llms:  # the same weights and kernels on the per-op path (fused decode off)
         per_op = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory,
                      num_threads=args.threads)

@@ -24,6 +24,7 @@ from leanserve.model.llama import LlamaModel
 from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
+from leanserve.quantization.prefill_gemm import configure_prefill_gemm
 from leanserve.sampling_params import SamplingParams
 from leanserve.spec_decode.draft_model import DraftModelProposer
 from leanserve.spec_decode.ngram import NgramProposer
@@ -109,6 +110,7 @@ class LLMEngine:
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
                                 native_kernels=config.use_native_kernels)
+        self.prefill_gemm = configure_prefill_gemm(self.model, config.prefill_gemm)  # the mode that runs (resolved)
         # the default on a GPU is a fraction of the memory left free by the weights
         kv_memory = config.kv_cache_memory if config.kv_cache_memory is not None else self._default_kv_memory()
         num_blocks = self._num_kv_blocks(kv_memory)

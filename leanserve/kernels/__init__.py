@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
-            "f32_gemm.cpp", "decode_layers.cpp")
+            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -115,6 +115,8 @@ def native_ops() -> ModuleType | None:
     * ``kquant_gemm``, ``kquant_dequantize`` (kquant_gemm.cpp): GGUF Q4_K / Q6_K weights in their file bytes;
     * ``f32_small_gemm`` (f32_gemm.cpp): float32 products of 1-8 rows, each weight row read once for all rows;
     * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row;
+    * ``lane_dequant_bf16``, ``bf16_gemm``, ``bf16_gemm_simd`` (lane_dequant.cpp): prefill products of lane-layout
+      weights through a bf16 scratch copy and an AVX512_BF16 GEMM with fp32 output;
     * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,
       bitwise equal to the per-op path (leanserve/model/fused_decode.py builds it).
     """

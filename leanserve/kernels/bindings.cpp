@@ -16,6 +16,10 @@ torch::Tensor kquant_dequantize(torch::Tensor w, int64_t qtype);
 torch::Tensor f32_small_gemm(torch::Tensor x, torch::Tensor w);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
+bool bf16_gemm_simd();
+void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, int64_t bits, torch::Tensor hi,
+                       torch::Tensor lo);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N);
 void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -28,5 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_dequantize", &kquant_dequantize, "w [N, K] float32 from GGUF Q4_K / Q6_K bytes");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
+  m.def("bf16_gemm_simd", &bf16_gemm_simd, "whether bf16_gemm / lane_dequant_bf16 use AVX512_BF16");
+  m.def("lane_dequant_bf16", &lane_dequant_bf16, "lane-layout w into pair-packed bf16 hi (and lo) buffers");
+  m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output");
   bind_decode_layers(m);
 }

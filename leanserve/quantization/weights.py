@@ -18,13 +18,15 @@ Kernel per class and row count T (the reasons; measurements are in README.md and
 
 * :class:`FloatWeight`: float32 on CPU with NumPy's BLAS (:func:`numpy_blas_enabled`): OpenBLAS gemv at T = 1,
   gemm at T > 1 (it streams weights faster than torch's path in the decode matrix-vector products); bfloat16 on CPU
-  at T > :data:`BF16_GEMM_MAX_ROWS`: the product in float32 (the CPU has no fast bf16 GEMM; a bf16 gemv is fast,
-  half the bytes); else ``torch.nn.functional.linear``.
+  at T > :func:`bf16_gemm_max_rows` (measured per machine: 8 rows where the CPU has no fast bf16 GEMM, no limit
+  with AVX512_BF16 / AMX): the product in float32 (a bf16 gemv is fast, half the bytes); else
+  ``torch.nn.functional.linear``.
 * :class:`Int8Weight` (per channel) / :class:`Int4Weight`: torch's ``_weight_int8pack_mm`` /
   ``_weight_int4pack_mm_for_cpu`` at every T, on activations rounded to bf16 (those kernels are fast only with bf16
   activations, and then at least as fast as the fp32 GEMM at every batch size); their bf16 output is returned in
   x's dtype. Per-group int8 (Q8_0) has no torch kernel: it is dequantized per call (correct, memory-saving, slow).
-* :class:`BlockQuantWeight`: lane layout: the lane kernel at every T. File layout: the block kernel on decode rows
+* :class:`BlockQuantWeight`: lane layout: the lane kernel at every T (prefill rows: the lane kernel or bf16, per
+  ``--prefill-gemm``, leanserve/quantization/prefill_gemm.py). File layout: the block kernel on decode rows
   while there are at most :data:`BLOCK_KERNEL_MAX_ROWS` of them, dequantize + :class:`FloatWeight` GEMM on prefill
   rows (and on decode rows beyond that count, where the GEMM is faster).
 
@@ -64,7 +66,8 @@ class LinearWeight(Protocol):
       product; it never changes which kernel runs.
     * ``kernel_rows``: how many leading rows of ``x`` are decode tokens (one per sequence; the rest of the step are
       prefill tokens, as the model runner orders a step); None: all rows alike. Only a kernel whose choice must not
-      depend on how a prompt was chunked reads it (:class:`BlockQuantWeight` in file layout).
+      depend on how a prompt was chunked reads it (:class:`BlockQuantWeight`: file layout, and lane layout with a
+      bf16 prefill path).
     * ``invariant_rows``: 0, or batch-invariant mode: every row is computed by the same kernel whatever T is (a
       :class:`FloatWeight` on NumPy's BLAS runs gemm on chunks of exactly ``invariant_rows`` rows; a file-layout
       :class:`BlockQuantWeight` keeps its block kernel at every T; the other kernels are row-invariant already).
@@ -98,9 +101,36 @@ def numpy_blas_enabled() -> bool:
 
 _NUMPY_BLAS = numpy_blas_enabled()  # read once, at import (leanserve/__init__ sets the policy before torch loads)
 
-# Rows above which a bf16 matmul on CPU runs in fp32: the CPU has no fast bf16 GEMM, while a bf16 matrix-vector
-# product is fast (half the bytes of fp32).
+# Rows above which a bf16 matmul on CPU runs in fp32 on a CPU without a fast bf16 GEMM (no AVX512_BF16 / AMX: a
+# bf16 matrix-vector product is still fast, half the bytes of fp32). Which kind this CPU is: bf16_gemm_max_rows().
 BF16_GEMM_MAX_ROWS = 8
+NO_ROW_LIMIT = 1 << 62  # bf16_gemm_max_rows() where bf16 GEMMs are fast: every bf16 product stays in bf16
+
+
+@functools.cache
+def bf16_gemm_max_rows() -> int:
+    """Rows above which a bfloat16 CPU matmul runs in float32: :data:`BF16_GEMM_MAX_ROWS` when torch's bf16 GEMM
+    is slower than its fp32 GEMM on this machine, else :data:`NO_ROW_LIMIT`. Measured once per process on a
+    model-sized product (64 and 256 rows x 576 -> 1536, the fastest of 3 runs each): bf16 must win at both
+    (oneDNN's AVX512_BF16 / AMX kernels do; without them bf16 is emulated and several times slower)."""
+    w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0))
+    wb = w.to(torch.bfloat16)
+
+    def fastest(f) -> float:
+        f()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for m in (64, 256):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        xb = x.to(torch.bfloat16)
+        if fastest(lambda xb=xb: F.linear(xb, wb)) >= fastest(lambda x=x: F.linear(x, w)):
+            return BF16_GEMM_MAX_ROWS
+    return NO_ROW_LIMIT
 
 # Rows of every BLAS gemm call in batch-invariant mode (the model's ``invariant_rows``). OpenBLAS rounds a row of
 # x @ w.T differently for different M on some CPUs (its Haswell kernels: M = 3 vs M >= 7), but with M fixed a row's
@@ -153,8 +183,8 @@ class FloatWeight:
       GEMM up to :func:`torch_gemm_max_rows` rows, where it measured faster on this machine); with
       ``invariant_rows`` (batch-invariant mode), gemm on chunks of exactly that many rows, the last zero-padded, so
       every row goes through the same kernel whatever T is. Returns float32; the bias is added to the product.
-    * bfloat16 on CPU at T > :data:`BF16_GEMM_MAX_ROWS`: ``F.linear`` in float32 (x, weight and bias widened),
-      rounded to bfloat16.
+    * bfloat16 on CPU at T > :func:`bf16_gemm_max_rows` (8 on a CPU without a fast bf16 GEMM, no limit with one):
+      ``F.linear`` in float32 (x, weight and bias widened), rounded to bfloat16.
     * otherwise ``F.linear(x, weight, bias)``.
 
     ``kernel_rows`` is accepted for the common signature and not read. The NumPy view of the weight and the kernel
@@ -177,6 +207,8 @@ class FloatWeight:
         if self._wn is not None:
             torch_gemm_max_rows()  # measured once, when the first float32 CPU weight is built
         self._bf16_cpu = cpu and weight.dtype == torch.bfloat16
+        if self._bf16_cpu:
+            bf16_gemm_max_rows()  # measured once, when the first bfloat16 CPU weight is built
 
     def __repr__(self) -> str:
         return f"FloatWeight(shape={tuple(self.weight.shape)}, dtype={self.weight.dtype}, device={self.weight.device})"
@@ -226,7 +258,7 @@ class FloatWeight:
             else:
                 y = torch.from_numpy(x.numpy() @ self._wnt)  # BLAS gemm
             return y if bias is None else y + bias
-        if self._bf16_cpu and x.shape[0] > BF16_GEMM_MAX_ROWS:
+        if self._bf16_cpu and x.shape[0] > bf16_gemm_max_rows():
             return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
         return F.linear(x, self.weight, bias)
 
@@ -396,6 +428,8 @@ class BlockQuantWeight:
         scratch: a float32 buffer the file layout's large-batch path dequantizes into when it is big enough (the
             model shares one among its layers, so the fp32 copy stays in cache), or None.
         lanes: which layout ``codes``, ``d`` and ``mn`` are in.
+        prefill: lane layout: the kernel of prefill rows other than the lane kernel
+            (:class:`leanserve.quantization.prefill_gemm.Bf16Prefill`, set by ``configure_prefill_gemm``), or None.
     """
 
     codes: torch.Tensor
@@ -405,6 +439,7 @@ class BlockQuantWeight:
     ext: Any
     scratch: torch.Tensor | None = None
     lanes: bool = False
+    prefill: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -498,7 +533,10 @@ class BlockQuantWeight:
                invariant_rows: int = 0) -> torch.Tensor:
         """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype (computed in float32; bias added after).
 
-        Lane layout: the lane kernel on every row (each row's result independent of the others). File layout: the
+        Lane layout: the lane kernel on every row (each row's result independent of the others), except that with
+        :attr:`prefill` set the rows after the first ``kernel_rows`` (prefill tokens, however many; none when
+        ``kernel_rows`` is None or in batch-invariant mode) run that kernel (bf16, see
+        leanserve/quantization/prefill_gemm.py). File layout: the
         block kernel on the first ``kernel_rows`` rows (decode tokens; None: all T) when there are at most
         :data:`BLOCK_KERNEL_MAX_ROWS` of them, else on none; dequantize (into :attr:`scratch`) + the
         :class:`FloatWeight` GEMM on the other rows (prefill tokens always take that path, so a prompt token's
@@ -506,6 +544,14 @@ class BlockQuantWeight:
         ``invariant_rows`` (batch-invariant mode) every row runs the block kernel.
         """
         t = x.shape[0]
+        if self.lanes and self.prefill is not None and not invariant_rows and kernel_rows is not None \
+                and kernel_rows < t:  # prefill rows through the bf16 path
+            xf = x if x.dtype == torch.float32 else x.float()
+            n = kernel_rows
+            y = self.prefill.matmul(self, xf[n:].contiguous())
+            y = torch.cat([self.kernel(xf[:n]), y]) if n else y
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+            return y if bias is None else y + bias
         if self.lanes or invariant_rows:  # every row through the kernel
             n = t
         else:  # leading rows that run the kernel

@@ -4,13 +4,18 @@ The reference is a plain argmax loop over ``LlamaForCausalLM`` with its KV cache
 does), so that end-of-turn tokens are neither suppressed (``min_new_tokens``) nor stop the reference early.
 
 Two correct fp32 implementations can part on a near-tie: where the reference's top-2 logit gap at a step is
-below 1e-3 the comparison stops there; at least 6 of the 8 prompts must match for all 48 tokens.
+below 1e-3 the comparison stops there; at least 6 of the 8 prompts must match for all 48 tokens. The same check
+runs on the native 4-bit model in every ``--prefill-gemm`` mode; ``bf16`` does not keep it (see NEAR_TIE).
 """
 
 from __future__ import annotations
 
-from leanserve import SamplingParams
+from leanserve import LLM, SamplingParams
+from leanserve.kernels import native_ops
+from leanserve.loader import load_model
+from leanserve.quantization.prefill_gemm import resolve_prefill_gemm
 
+import pytest
 import torch
 
 STEPS = 48
@@ -62,3 +67,51 @@ def test_greedy_matches_transformers(llm, hf_model):
         full_runs += compared == STEPS
     print(f"steps compared per prompt: {report}")
     assert full_runs >= 6, report
+
+
+@pytest.fixture(scope="module")
+def loaded_native():
+    """The default model with its GGUF Q4_1 / Q8_0 matrices kept native (the default ``--quantization auto``)."""
+    return load_model(None, quantization="auto")
+
+
+@pytest.fixture(scope="module")
+def hf_runs(hf_model, loaded_native):
+    """transformers' greedy tokens and logits for each chat prompt (computed once for every mode)."""
+    tok = loaded_native.tokenizer
+    runs = []
+    for p in CHAT_PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+        runs.append((ids, *hf_greedy(hf_model, ids, STEPS)))
+    return runs
+
+
+# --prefill-gemm mode -> (the reference's top-2 logit gap below which a step is a near-tie, prompts that must match
+# for all 48 steps). ``lane`` and ``bf16x3`` keep the fp32 promise (1e-3, 6 of 8; measured 8 of 8). ``bf16`` breaks
+# it: rounding the prompt rows' activations and weights to bf16 moves logits by up to a few hundredths (one prompt
+# here takes the other token at a gap of 0.012), so it is held to no mismatch outside gaps of 0.05 and 4 of 8 full
+# runs (measured 5: the other three stop at such gaps).
+NEAR_TIE = {"lane": (1e-3, 6), "bf16x3": (1e-3, 6), "bf16": (0.05, 4)}
+
+
+@pytest.mark.parametrize("prefill_gemm", list(NEAR_TIE))
+def test_native_q4_1_greedy_matches_transformers_in_every_prefill_mode(loaded_native, hf_runs, prefill_gemm):
+    """The default native 4-bit model (transformers runs the same weights dequantized to fp32) in each
+    ``--prefill-gemm`` mode: the prompts' prefill rows on that mode's kernel, decode rows on the lane kernel; near-tie
+    gap and pass count of :data:`NEAR_TIE`."""
+    llm = LLM(loaded=loaded_native, kv_cache_memory=64 << 20, prefill_gemm=prefill_gemm)
+    assert llm.engine.prefill_gemm == resolve_prefill_gemm(prefill_gemm, native_ops())
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in hf_runs],
+                        SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    report = []
+    for (_, ref_ids, ref_logits), out in zip(hf_runs, outs, strict=True):
+        got, compared = out.outputs[0].token_ids, 0
+        for step in range(STEPS):
+            top2 = torch.topk(ref_logits[step], 2).values
+            if (top2[0] - top2[1]).item() < NEAR_TIE[prefill_gemm][0]:
+                break
+            assert got[step] == ref_ids[step], (prefill_gemm, step, report)
+            compared += 1
+        report.append(compared)
+    print(f"{prefill_gemm}: steps compared per prompt: {report}")
+    assert sum(c == STEPS for c in report) >= NEAR_TIE[prefill_gemm][1], report

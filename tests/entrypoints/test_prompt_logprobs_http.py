@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 from leanserve import LLM, SamplingParams
+from leanserve.kernels import native_ops
 from leanserve.loader import load_model
+from leanserve.quantization.prefill_gemm import resolve_prefill_gemm
 
 import pytest
 
@@ -85,10 +87,14 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(server, client, ids)
                                        "max_tokens": 1, "logprobs": 1, "echo": True, "seed": 1234})
     first, second = sorted(batch["choices"], key=lambda c: c["index"])
     assert first["logprobs"]["token_logprobs"][:len(ids)] == lp["token_logprobs"]
-    # a shorter prompt is another computation (other GEMM and attention shapes): equal up to rounding
+    # a shorter prompt is another computation (other GEMM and attention shapes): equal up to rounding; with the
+    # default --prefill-gemm bf16 (AVX512_BF16 CPUs) a last-bit difference can flip a bf16 rounding of a prompt
+    # row's activations, so "rounding" is bf16's (measured up to 0.3 nats against fp32: README "Prefill GEMMs")
+    tol = 0.3 if resolve_prefill_gemm("auto", native_ops()) == "bf16" else 1e-2
     assert second["logprobs"]["token_logprobs"][0] is None
-    assert all(abs(a - b) < 1e-2 for a, b in zip(second["logprobs"]["token_logprobs"][1:5], lp["token_logprobs"][1:5],
-                                                 strict=True))
+    diffs = [abs(a - b) for a, b in zip(second["logprobs"]["token_logprobs"][1:5], lp["token_logprobs"][1:5],
+                                        strict=True)]
+    assert max(diffs) < tol, diffs
     # streamed: the echo and its logprobs come first, then the finish
     with client.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
         assert r.status_code == 200

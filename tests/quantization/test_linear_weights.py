@@ -9,6 +9,7 @@ from leanserve.quantization import weights as weights_module
 from leanserve.quantization.weights import (
     BF16_GEMM_MAX_ROWS,
     INVARIANT_ROWS,
+    NO_ROW_LIMIT,
     BlockQuantWeight,
     FloatWeight,
     GroupQuantized,
@@ -85,15 +86,27 @@ def test_float32_rows_run_numpy_blas(monkeypatch: pytest.MonkeyPatch) -> None:
                        torch.from_numpy(padded.numpy() @ wn.T)[:2])  # gemm on zero-padded rows
 
 
-def test_bfloat16_gemm_runs_in_float32_above_the_row_limit() -> None:
+@pytest.mark.parametrize("limit", [BF16_GEMM_MAX_ROWS, NO_ROW_LIMIT])
+def test_bfloat16_gemm_runs_in_float32_above_the_row_limit(monkeypatch, limit: int) -> None:
+    """Either kind of CPU: without a fast bf16 GEMM, products of more than 8 rows run in fp32; with one, in bf16."""
+    monkeypatch.setattr(weights_module, "bf16_gemm_max_rows", lambda: limit)
     w = _matrix().to(torch.bfloat16)
     fw = FloatWeight(w)
     b = torch.randn(OUT, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     for t in (1, BF16_GEMM_MAX_ROWS, BF16_GEMM_MAX_ROWS + 1, 40):
         x = torch.randn(t, IN, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        expect = (F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16) if t > BF16_GEMM_MAX_ROWS
+        expect = (F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16) if t > limit
                   else F.linear(x, w, b))
         assert torch.equal(fw.matmul(x, b), expect), t
+
+
+def test_bf16_row_limit_is_measured_for_this_cpu() -> None:
+    """The measured rule agrees with the CPU's features: oneDNN's bf16 GEMM is fast with AVX512_BF16 or AMX (~5x
+    fp32 on the AMD EPYC Zen 5 kind) and emulated, slower than fp32, without them."""
+    from leanserve.kernels import cpu_info
+
+    fast = bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["simd"]))
+    assert weights_module.bf16_gemm_max_rows() == (NO_ROW_LIMIT if fast else BF16_GEMM_MAX_ROWS)
 
 
 def test_float_weight_rows_are_an_embedding_lookup() -> None:

@@ -1,0 +1,145 @@
+"""The bf16 prefill path of lane-layout GGUF weights (leanserve/kernels/lane_dequant.cpp,
+leanserve/quantization/prefill_gemm.py): the bf16 copy is block_dequantize's fp32 weight rounded to bf16, the
+products are within their stated bounds of the exact product, each row's result is bitwise independent of the
+other rows, and BlockQuantWeight.matmul sends exactly its prefill rows there."""
+
+from __future__ import annotations
+
+import sys
+
+import leanserve  # noqa: F401  (first: OpenMP wait policy)
+from leanserve.config import EngineConfig
+from leanserve.errors import InvalidParameterError
+from leanserve.kernels import native_ops
+from leanserve.quantization.prefill_gemm import Bf16Prefill, configure_prefill_gemm, resolve_prefill_gemm
+from leanserve.quantization.weights import INVARIANT_ROWS, BlockQuantWeight, GroupQuantized
+
+import pytest
+import torch
+
+from tests.conftest import kernel_isa_paths, use_kernel_isa
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native kernels did not build")
+
+OUT, IN = 192, 576  # 3 tiles of 64 outputs, 18 blocks
+E = torch.empty(0, dtype=torch.bfloat16)
+
+
+@pytest.fixture(autouse=True, params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """Every test runs on each instruction-set path (the avx2 one has no AVX512_BF16: the scalar loops)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
+
+
+def _weight(kind: str, out: int = OUT, k: int = IN) -> BlockQuantWeight:
+    """A random lane-layout matrix of GGUF kind Q4_1, Q4_0 or Q8_0 (fp16-exact scales and offsets)."""
+    g = torch.Generator().manual_seed(len(kind) * 1000 + out)
+    scale = (torch.rand(out, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    if kind == "Q8_0":
+        gq = GroupQuantized(torch.randint(-128, 128, (out, k), generator=g, dtype=torch.int8), scale, None, 0, 8)
+    elif kind == "Q4_0":
+        gq = GroupQuantized(torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8), scale, None, 8, 4)
+    else:
+        bias = (torch.rand(out, k // 32, generator=g) * -0.1).half().float()
+        gq = GroupQuantized(torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8), scale, bias, 0, 4)
+    w = BlockQuantWeight.from_group(gq, native_ops())
+    assert w.lanes
+    return w
+
+
+def _unpack(buf: torch.Tensor, out: int, k: int) -> torch.Tensor:
+    """The pair-packed [out / 16, k / 2, 16, 2] buffer as [out, k]."""
+    return buf[:out * k].view(out // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(out, k)
+
+
+def _split(w: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = torch.empty(OUT * IN + 7, dtype=torch.bfloat16)  # a buffer larger than the matrix, as the model's shared one
+    lo = torch.empty_like(hi)
+    native_ops().lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi, lo)
+    return hi, lo
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_bf16_copy_is_the_fp32_dequantization_rounded(kind: str) -> None:
+    w = _weight(kind)
+    ref = w.dequantize()  # block_dequantize: gguf-py's values
+    hi, lo = _split(w)
+    assert torch.equal(_unpack(hi, OUT, IN), ref.to(torch.bfloat16))  # bitwise
+    assert torch.equal(_unpack(lo, OUT, IN), (ref - ref.to(torch.bfloat16).float()).to(torch.bfloat16))
+    hi2 = torch.empty_like(hi)
+    native_ops().lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi2, E)  # no lo: the same hi
+    assert torch.equal(hi2[:OUT * IN], hi[:OUT * IN])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_bf16_products_within_their_bounds(kind: str) -> None:
+    w = _weight(kind)
+    wf = w.dequantize().double()
+    hi, lo = _split(w)
+    x = torch.randn(37, IN, generator=torch.Generator().manual_seed(3)) * 2
+    x[0, 5] = 40.0
+    exact = x.double() @ wf.T
+    mag = x.double().abs() @ wf.abs().T  # |x| @ |w|.T
+    fp32_sum = IN * 2.0**-24  # fp32 accumulation over K terms
+    y = native_ops().bf16_gemm(x, hi, E, OUT)
+    assert y.dtype == torch.float32 and y.shape == (37, OUT)
+    # bf16 rounds x and w (2**-9 each, relative) and sums exactly-formed products in fp32
+    assert ((y.double() - exact).abs() <= (2 * 2.0**-9 + 2.0**-18 + fp32_sum) * mag).all()
+    y3 = native_ops().bf16_gemm(x, hi, lo, OUT)
+    # bf16x3: the residues are rounded (2**-18 each) and xl * wl (<= 2**-18) is dropped
+    err3 = (y3.double() - exact).abs()
+    assert (err3 <= (3 * 2.0**-18 + 3 * fp32_sum) * mag).all()
+    assert err3.max() < (y.double() - exact).abs().max() / 20  # much closer than bf16
+
+
+@pytest.mark.parametrize("x3", [False, True])
+def test_bf16_rows_do_not_depend_on_the_other_rows(x3: bool) -> None:
+    w = _weight("Q4_1")
+    hi, lo = _split(w)
+    lo = lo if x3 else E
+    x = torch.randn(300, IN, generator=torch.Generator().manual_seed(5))
+    full = native_ops().bf16_gemm(x, hi, lo, OUT)
+    for m in [*range(1, 26), 95, 96, 97, 191, 250]:
+        assert torch.equal(native_ops().bf16_gemm(x[:m], hi, lo, OUT), full[:m]), m  # the first rows
+        assert torch.equal(native_ops().bf16_gemm(x[300 - m:], hi, lo, OUT), full[300 - m:]), m  # rows shifted
+
+
+def test_matmul_sends_prefill_rows_to_bf16_and_decode_rows_to_the_lane_kernel() -> None:
+    w = _weight("Q4_1")
+    x = torch.randn(20, IN, generator=torch.Generator().manual_seed(9))
+    bias = torch.linspace(-1, 1, OUT)
+    lane = w.kernel(x)
+    hi = torch.empty(OUT * IN, dtype=torch.bfloat16)
+    w.prefill = Bf16Prefill(native_ops(), hi, E)
+    bf16 = w.prefill.matmul(w, x)
+    for n in (0, 1, 7, 19):
+        y = w.matmul(x, bias, kernel_rows=n)
+        assert torch.equal(y[:n], lane[:n] + bias) and torch.equal(y[n:], bf16[n:] + bias), n
+    assert torch.equal(w.matmul(x, kernel_rows=20), lane)  # decode rows only
+    assert torch.equal(w.matmul(x), lane)  # kernel_rows None (the output head): all rows alike, lane kernel
+    assert torch.equal(w.matmul(x, kernel_rows=3, invariant_rows=INVARIANT_ROWS), lane)  # batch-invariant mode
+
+
+def test_prefill_gemm_modes_resolve_and_bad_ones_are_rejected() -> None:
+    ext = native_ops()
+    assert resolve_prefill_gemm("auto", ext) == ("bf16" if ext.bf16_gemm_simd() else "lane")
+    assert resolve_prefill_gemm("bf16x3", ext) == "bf16x3" and resolve_prefill_gemm("bf16", None) == "lane"
+    with pytest.raises(InvalidParameterError):
+        resolve_prefill_gemm("fp8", ext)
+    with pytest.raises(InvalidParameterError) as e:
+        EngineConfig(prefill_gemm="fp8")
+    assert e.value.param == "prefill_gemm"
+
+    class Layer:
+        def __init__(self) -> None:
+            self.qkv, self.down = _weight("Q4_1"), _weight("Q8_0", out=128)
+
+    class Model:
+        layers = [Layer(), Layer()]
+
+    m = Model()
+    assert configure_prefill_gemm(m, "bf16x3") == "bf16x3"
+    shared = m.layers[0].qkv.prefill
+    assert all(t.prefill is shared for layer in m.layers for t in (layer.qkv, layer.down))
+    assert shared.mode == "bf16x3" and shared.hi.numel() == OUT * IN == shared.lo.numel()  # sized for the largest
+    assert configure_prefill_gemm(m, "lane") == "lane" and m.layers[1].down.prefill is None
