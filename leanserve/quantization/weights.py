@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,6 +108,17 @@ BF16_GEMM_MAX_ROWS = 8
 NO_ROW_LIMIT = 1 << 62  # bf16_gemm_max_rows() where bf16 GEMMs are fast: every bf16 product stays in bf16
 
 
+def _fastest(f: Callable[[], object], repeats: int = 3) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``f`` after one warm-up call (load only adds time)."""
+    f()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 @functools.cache
 def bf16_gemm_max_rows() -> int:
     """Rows above which a bfloat16 CPU matmul runs in float32: :data:`BF16_GEMM_MAX_ROWS` when torch's bf16 GEMM
@@ -116,19 +128,10 @@ def bf16_gemm_max_rows() -> int:
     w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0))
     wb = w.to(torch.bfloat16)
 
-    def fastest(f) -> float:
-        f()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     for m in (64, 256):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         xb = x.to(torch.bfloat16)
-        if fastest(lambda xb=xb: F.linear(xb, wb)) >= fastest(lambda x=x: F.linear(x, w)):
+        if _fastest(lambda xb=xb: F.linear(xb, wb)) >= _fastest(lambda x=x: F.linear(x, w)):
             return BF16_GEMM_MAX_ROWS
     return NO_ROW_LIMIT
 
@@ -154,19 +157,10 @@ def torch_gemm_max_rows() -> int:
     w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0))
     wnt = w.numpy().T
 
-    def fastest(f) -> float:
-        f()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     for m in (64, 32, 16, 8, 4, 2):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         xn = x.numpy()
-        if fastest(lambda x=x: F.linear(x, w)) < fastest(lambda xn=xn: xn @ wnt):
+        if _fastest(lambda x=x: F.linear(x, w)) < _fastest(lambda xn=xn: xn @ wnt):
             return m
     return 0
 
