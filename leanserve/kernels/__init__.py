@@ -8,17 +8,21 @@ The cache entry is keyed by what the object code depends on (:func:`build_key`):
 flags, the torch version and the CPU (``-march=native`` compiles for the build host). The sources are copied into
 the entry before building, so two checkouts or venvs of the same sources share one build instead of rebuilding
 each other's (the build files name absolute source paths), and a build made on one kind of CPU is never loaded on
-another.
+another. A finished build is also copied to ``<entry>/<name>.built.so`` and later imported from there without
+torch's up-to-date check, whose build file names the venv's include paths (two venvs would otherwise rebuild the
+entry back and forth).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -140,8 +144,38 @@ def build_native_ops(isa: str) -> ModuleType:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    key = build_key(isa)
+    name = f"leanserve_kernels_{key}"
+    if name in sys.modules:
+        return sys.modules[name]
+    built = _built_copy(name)
+    if built.exists():  # built before, by any checkout or venv: the key says it is these sources for this CPU
+        return _import_extension(name, built)
     from torch.utils.cpp_extension import load
 
-    key = build_key(isa)
-    return load(name=f"leanserve_kernels_{key}", sources=_staged_sources(key), extra_cflags=list(cflags(isa)),
-                verbose=False)
+    module = load(name=name, sources=_staged_sources(key), extra_cflags=list(cflags(isa)), verbose=False)
+    tmp = built.with_name(f"{built.name}.{os.getpid()}.tmp")
+    shutil.copyfile(module.__file__, tmp)
+    os.replace(tmp, built)  # atomic: a reader sees a whole copy or none
+    return module
+
+
+def _built_copy(name: str) -> Path:
+    """Where a finished build of extension ``name`` is kept: torch's build directory holds the build itself, which
+    torch's ``load`` checks against its build file (whose compiler commands name the venv's include paths, so a
+    checkout with another venv would rebuild it, and the first checkout then rebuild it back); this copy is made
+    only after a build succeeded and is imported as it is."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)) / f"{name}.built.so"
+
+
+def _import_extension(name: str, path: Path) -> ModuleType:
+    """Imports the compiled extension module ``name`` from ``path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module

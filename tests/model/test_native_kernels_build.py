@@ -66,3 +66,26 @@ def test_kernel_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.ISA_ENV, "sse2")
     with pytest.raises(ValueError, match="LEANSERVE_KERNEL_ISA must be one of native, avx2"):
         kernels.kernel_isa()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_a_finished_build_is_imported_without_torchs_build_check() -> None:
+    """Once built, the kernels load from the build's copy: a process whose torch ``load`` would fail (as a checkout
+    with another venv would make it rebuild) still gets them, the same build."""
+    import subprocess
+    import sys
+
+    from leanserve import kernels
+
+    assert native_ops() is not None
+    built = kernels._built_copy(f"leanserve_kernels_{kernels.build_key(kernels.kernel_isa())}")
+    assert built.exists()
+    code = ("import torch.utils.cpp_extension as c\n"
+            "def refuse(*a, **k): raise RuntimeError('load called')\n"
+            "c.load = refuse\n"
+            "from leanserve.kernels import build_native_ops, kernel_isa\n"
+            "m = build_native_ops(kernel_isa())\n"
+            "print(m.__file__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(built)
