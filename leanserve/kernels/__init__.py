@@ -154,6 +154,7 @@ def build_native_ops(isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     module = load(name=name, sources=_staged_sources(key), extra_cflags=list(cflags(isa)), verbose=False)
+    sys.modules[name] = module  # a later call in this process returns it (not a second copy of the library)
     tmp = built.with_name(f"{built.name}.{os.getpid()}.tmp")
     shutil.copyfile(module.__file__, tmp)
     os.replace(tmp, built)  # atomic: a reader sees a whole copy or none
