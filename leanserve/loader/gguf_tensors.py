@@ -46,10 +46,15 @@ class _FastGGUFReader(gguf.GGUFReader):
     read-only views of the file map.
     """
 
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+    def _plain_view(self) -> np.ndarray:
+        """The file map as a plain ndarray (made once)."""
         plain = self.__dict__.get("_plain")
         if plain is None:
             plain = self._plain = self.data.view(np.ndarray)
+        return plain
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self._plain_view()
         dt = np.dtype(dtype)
         count = int(count)
         arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
@@ -67,9 +72,7 @@ class _FastGGUFReader(gguf.GGUFReader):
         offs = orig_offs + 12
         parts: list[np.ndarray] = [raw_itype, alen]
         if itype == gguf.GGUFValueType.STRING:
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
+            plain = self._plain_view()
             len_dt = np.dtype(np.uint64).newbyteorder(self.byte_order)
             for _ in range(n):
                 slen_part = plain[offs:offs + 8].view(len_dt)
