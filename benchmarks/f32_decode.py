@@ -2,7 +2,10 @@
 1-8 rows), side by side in one run, on the default model unquantized (``quantization="none"``).
 
 Each repeat runs batch 1 and batch 4 (64 greedy tokens each, EOS ignored) with the kernel on, then off (NumPy's
-BLAS gemv for one row, torch's / OpenBLAS's GEMM for more); the best of the repeats is reported.
+BLAS gemv for one row, torch's / OpenBLAS's GEMM for more); the best of the repeats is reported. Then the kernel
+alone by rows: ``f32_small_gemm`` over the model's own 120 float32 projection matrices in turn (as a forward pass
+reads them: from DRAM, not cache) at T = 1..8 rows, best of 5, and each T's time over T = 1's (what verifying
+T - 1 drafts costs in the GEMMs against one plain decode row).
 
 Usage:
     .venv/bin/python -m benchmarks.f32_decode [--repeats 3] [--max-tokens 64]
@@ -16,7 +19,10 @@ import time
 
 import leanserve.quantization.weights as weights
 from leanserve import LLM, SamplingParams
+from leanserve.kernels import native_ops
 from leanserve.loader import load_model
+
+import torch
 
 from benchmarks.common import write_json
 
@@ -50,7 +56,29 @@ def main() -> None:
         rows.append({"batch": b, "on_tok_s": on, "off_tok_s": off, "ratio": on / off,
                      "on_samples": samples[(True, b)], "off_samples": samples[(False, b)]})
         print(f"| {b} | {on:.1f} | {off:.1f} | {on / off:.2f}x |")
-    write_json(args.out, {"config": vars(args), "rows": rows})
+    kernel = kernel_rows(llm)
+    print("| rows | kernel ms (120 projections) | x one row |\n|---|---|---|")
+    for r in kernel:
+        print(f"| {r['rows']} | {r['ms']:.2f} | {r['x_one_row']:.2f}x |")
+    write_json(args.out, {"config": vars(args), "rows": rows, "kernel_rows": kernel})
+
+
+def kernel_rows(llm: LLM, repeats: int = 5) -> list[dict]:
+    """``f32_small_gemm`` ms over every float32 projection of ``llm``'s model at 1..8 rows (best of ``repeats``)."""
+    model = llm.engine.model
+    ws = [getattr(layer, name).weight for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    ext = native_ops()
+    out = []
+    for t in range(1, weights.SMALL_GEMM_MAX_ROWS + 1):
+        xs = {k: torch.randn(t, k) for k in {w.shape[1] for w in ws}}
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for w in ws:
+                ext.f32_small_gemm(xs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - t0)
+        out.append({"rows": t, "ms": best * 1000, "x_one_row": best * 1000 / out[0]["ms"] if out else 1.0})
+    return out
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 // for 2-8 rows is several times slower than that one gemv on the CPUs measured (it packs panels meant for large
 // products), so verifying 4 drafts against a float32 model cost ~5 plain decode steps. This kernel reads each
 // weight row once for all T input rows, so T <= 8 rows cost about what one row does when the weights come from
-// memory.
+// memory (given the software prefetch in block(): README, CPU kernels).
 //
 // Numerics: every output y[t, n] is one fused multiply-add chain over k in vector steps of the ISA's width (16
 // floats on AVX-512, 8 on AVX2; the last partial step zero-masked), then a fixed-order horizontal sum: the same
@@ -67,8 +67,12 @@ struct Isa {
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// Rows [n0, n1) of y for T input rows, R weight rows at a time (T * R accumulators).
-template <int T, int R>
+// Rows [n0, n1) of y for T input rows, R weight rows at a time (T * R accumulators). With PF > 0 every vector step
+// also prefetches the same offset of the rows PF groups ahead (rows are contiguous, so PF * R rows further on):
+// with T >= 2 rows the arithmetic per weight byte grows and the hardware prefetcher alone no longer keeps enough
+// loads in flight when the weights come from DRAM (measured: benchmarks/f32_decode.py, README). A prefetch changes
+// no arithmetic, and past the matrix's end it is a hint that touches nothing.
+template <int T, int R, int PF>
 void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   using V = Isa::Vec;
   const int64_t full = K / Isa::kWidth * Isa::kWidth;
@@ -78,9 +82,14 @@ void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64
     V acc[T][R];
     for (int t = 0; t < T; ++t)
       for (int r = 0; r < R; ++r) acc[t][r] = Isa::zero();
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + n * K) + static_cast<uintptr_t>(PF * R * K) * sizeof(float);
     for (int64_t k = 0; k < full; k += Isa::kWidth) {
       V wv[R];
       for (int r = 0; r < R; ++r) wv[r] = Isa::load(w + (n + r) * K + k);
+      if constexpr (PF > 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + static_cast<uintptr_t>(r * K + k) * sizeof(float)),
+                       _MM_HINT_T0);
       for (int t = 0; t < T; ++t) {
         const V xv = Isa::load(x + t * K + k);
         for (int r = 0; r < R; ++r) acc[t][r] = Isa::fmadd(xv, wv[r], acc[t][r]);
@@ -97,11 +106,11 @@ void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64
     for (int t = 0; t < T; ++t)
       for (int r = 0; r < R; ++r) y[t * N + n + r] = Isa::hsum(acc[t][r]);
   }
-  if (n < n1) block<T, 1>(x, w, y, K, N, n, n1);  // the last rows, one at a time (same chain per output)
+  if (n < n1) block<T, 1, PF>(x, w, y, K, N, n, n1);  // the last rows, one at a time (same chain per output)
 }
 
 #else
-template <int T, int R>
+template <int T, int R, int PF>
 void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int t = 0; t < T; ++t) {
@@ -112,13 +121,20 @@ void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64
 }
 #endif
 
-// Weight rows per accumulator group: as many as the registers hold (T * R accumulators plus R weights and one x).
+// Weight rows per accumulator group (T * R accumulators plus R weights and one x must fit the 32 zmm / 16 ymm
+// registers) and the prefetch distance in groups, per T: chosen by measuring every fitting (R, PF) over the default
+// model's 120 float32 projection matrices streamed from DRAM, 1 and 2 threads (AMD EPYC Zen 5, AVX-512 and the AVX2
+// build). One row on AVX-512 keeps the hardware prefetcher alone (it measured as fast).
 #if defined(__AVX512F__)
 template <int T>
-constexpr int kGroup = T <= 2 ? 4 : (T <= 4 ? 3 : 2);
+constexpr int kGroup = T <= 3 ? 4 : (T == 4 ? 3 : (T == 5 ? 4 : (T <= 7 ? 3 : 2)));
+template <int T>
+constexpr int kAhead = T == 1 ? 0 : 1;
 #else
 template <int T>
-constexpr int kGroup = T <= 2 ? 4 : (T <= 4 ? 2 : 1);
+constexpr int kGroup = T <= 2 ? 4 : 1;
+template <int T>
+constexpr int kAhead = T <= 2 ? 1 : 2;
 #endif
 
 template <int T>
@@ -127,7 +143,7 @@ void run(const float* x, const float* w, float* y, int64_t K, int64_t N) {
   // which computes the same chain per output).
   constexpr int64_t kRowsPerTask = 32;
   leanserve::SpinPool::parallel_for((N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-    block<T, kGroup<T>>(x, w, y, K, N, begin * kRowsPerTask, std::min(N, end * kRowsPerTask));
+    block<T, kGroup<T>, kAhead<T>>(x, w, y, K, N, begin * kRowsPerTask, std::min(N, end * kRowsPerTask));
   });
 }
 
