@@ -75,6 +75,9 @@ def summary_prompt(messages: Sequence[dict[str, Any]], tokenizer: Any, max_promp
     """Token ids of the summarization request of ``messages`` (chat template applied, encoded without added
     special tokens, as the server encodes a chat), at most ``max_prompt_tokens`` long when that is possible.
 
+    The oldest lines left out are found by a binary search over the cut point: at most ceil(log2(n)) + 3 renders
+    (template + encode) of the transcript for n messages, so a long conversation costs O(n log n), not O(n^2).
+
     Raises:
         ValueError: ``messages`` is empty.
     """
@@ -86,11 +89,19 @@ def summary_prompt(messages: Sequence[dict[str, Any]], tokenizer: Any, max_promp
         text = tokenizer.apply_chat_template(_request(body), add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    start = 0
     ids = render("\n".join(lines))
-    while len(ids) > max_prompt_tokens and start < len(lines) - 1:  # the oldest messages go first
-        start += 1
-        ids = render("\n".join(lines[start:]))
+    if len(ids) > max_prompt_tokens and len(lines) > 1:
+        # the fewest oldest lines left out so that the rest fits: a binary search over the cut point (the token
+        # count does not grow as lines are left out), ceil(log2(n)) renders, not one per line
+        lo, hi, best = 1, len(lines) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = render("\n".join(lines[mid:]))
+            if len(cand) <= max_prompt_tokens:
+                best, hi = (mid, cand), mid - 1
+            else:
+                lo = mid + 1
+        ids = best[1] if best is not None else render(lines[-1])
     if len(ids) > max_prompt_tokens:  # one message alone is too long: keep its end
         last = tokenizer.encode(lines[-1], add_special_tokens=False)
         keep = max(1, len(last) - (len(ids) - max_prompt_tokens))

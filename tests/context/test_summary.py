@@ -114,6 +114,34 @@ def test_summary_prompt_leaves_out_the_oldest_messages_to_fit():
     assert tiny[-5:] == ["x", "Summarize", "this", "conversation.", "assistant:"]
 
 
+class _CountingWords(_DecodingWords):
+    def __init__(self):
+        self.renders = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        self.renders += 1
+        return super().apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+
+@pytest.mark.parametrize("budget", [1000, 60, 5])
+def test_summary_prompt_renders_the_transcript_a_logarithmic_number_of_times(budget):
+    import math
+
+    tok = _CountingWords()
+    msgs = [m for i in range(1200) for m in ({"role": "user", "content": f"q{i} " + "w " * 10},
+                                              {"role": "assistant", "content": f"a{i} " + "x " * 10})]
+    ids = summary_prompt(msgs, tok, budget)
+    assert tok.renders <= math.ceil(math.log2(len(msgs))) + 3, tok.renders  # was one per message left out
+    if budget >= 60:
+        assert len(ids) <= budget
+    else:  # under the template's own words: the last message's last word alone
+        assert ids[-5:] == ["x", "Summarize", "this", "conversation.", "assistant:"] and "a1199" not in ids
+    if budget == 1000:  # the fewest messages left out: one more message would not fit
+        kept = sum(1 for m in msgs if m["content"].split()[0] in ids)
+        assert len(summary_prompt(msgs[-(kept + 1):], _DecodingWords(), 10**6)) > 1000 >= len(ids)
+        assert msgs[-1]["content"].split()[0] in ids
+
+
 def test_concurrent_requests_with_one_dropped_prefix_compute_once():
     s = HistorySummarizer(engine=None, model_name="m")
     calls = []

@@ -190,6 +190,38 @@ def test_dropped_turns_are_summarized_once_then_reused_and_the_prefix_cache_hits
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
 
 
+def test_health_answers_while_a_huge_history_is_trimmed_and_summarized(server, client):
+    """2,400 turns (~300 KB) under a 1,000-token budget with a summary: its policies and summary prompt are
+    prepared off the event loop, so /health keeps answering meanwhile (it took 75 s when they ran on it)."""
+    import threading
+    import time
+
+    import httpx
+
+    conv = conversation(1200)
+    body = {"messages": conv, "max_tokens": 2, "temperature": 0, "max_prompt_tokens": 1000, "cache": False,
+            "history_summary_tokens": 16}
+    result = {}
+
+    def run():
+        result["r"] = client.post(CHAT, json=body, timeout=300)
+
+    t = threading.Thread(target=run)
+    start = time.monotonic()
+    t.start()
+    waits = []
+    with httpx.Client(base_url=server.url, timeout=60) as probe:
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.05)
+    t.join()
+    rep = _ok(result["r"])["usage"]["leanserve"]
+    assert rep["history_summary"]["status"] == "computed" and len(rep["dropped_messages"]) > 2000
+    assert len(waits) >= 3 and max(waits) < 1.0, (max(waits), time.monotonic() - start)
+
+
 def test_summary_that_cannot_fit_or_fails_falls_back_to_plain_dropping(client):
     conv = conversation(8)
     plain = _ok(client.post(CHAT, json={"messages": conv, "max_tokens": 2, "keep_last_turns": 2, "cache": False}))

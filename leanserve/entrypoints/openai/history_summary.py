@@ -90,7 +90,7 @@ class HistorySummarizer:
         rid = f"{INTERNAL_REQUEST_PREFIX}summary-{uuid.uuid4().hex[:16]}"
         stream = None
         try:
-            ids = summary_prompt(messages, self.engine.tokenizer, limit)
+            ids = await asyncio.to_thread(summary_prompt, messages, self.engine.tokenizer, limit)  # off the loop
             admitted = self.engine.admit(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
             stream = self.engine.submit(rid, admitted, allow_draining=True)  # part of a request admitted before
             await stream.accepted()
@@ -126,14 +126,14 @@ async def summarize_history(summarizer: HistorySummarizer, ctx: Any, max_tokens:
                             rerender: Callable[[str], tuple[list[int], Any]], fallback: list[int],
                             tenant: str | None = None) -> tuple[list[int], Any]:
     """Token ids and context report of a chat whose policies asked for a summary (``ctx.summary_status ==
-    "pending"``): rendered again with the summary (``rerender(text)``), or ``fallback`` (plain dropping) with
-    the failure reported."""
+    "pending"``): rendered again with the summary (``rerender(text)``, in a worker thread), or ``fallback``
+    (plain dropping) with the failure reported."""
     result = await summarizer.summarize(ctx.summary_messages, max_tokens, tenant)
     if result.text is None:
         ctx.summary_status, ctx.summary_reason = "failed", result.error
         ctx.summary_prompt_tokens, ctx.summary_completion_tokens = result.prompt_tokens, result.completion_tokens
         return fallback, ctx
-    ids, new_ctx = rerender(result.text)
+    ids, new_ctx = await asyncio.to_thread(rerender, result.text)  # the policies again, off the event loop
     if new_ctx.summary_status == "applied":
         new_ctx.summary_status = "reused" if result.reused else "computed"
     new_ctx.summary_prompt_tokens, new_ctx.summary_completion_tokens = result.prompt_tokens, \

@@ -10,6 +10,7 @@ text arrives with a later chunk); without logprobs, steps that released no text 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -130,7 +131,8 @@ class OpenAIServingChat:
         if req.history_summary_tokens is not None and req.history_summary_tokens >= limit:
             raise bad_request(f"history_summary_tokens must be less than the model's context length ({limit}), "
                               f"got {req.history_summary_tokens}", "history_summary_tokens")
-        prompt_ids, ctx = self.render_prompt(req, raw_request, plan.tools)
+        # the policies' heavy work (template renders, trimming, passage selection) runs off the event loop
+        prompt_ids, ctx = await asyncio.to_thread(self.render_prompt, req, raw_request, plan.tools)
         if ctx.summary_status == "pending":  # the dropped turns' summary (history_summary.py)
             prompt_ids, ctx = await summarize_history(
                 summarizer_of(raw_request, self.engine, self.model_name), ctx,
