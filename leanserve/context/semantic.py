@@ -5,8 +5,12 @@ asked in the same context, behind a lexical guard.
   in the ``wordllama`` package, nothing is fetched at run time), cosine similarity of the L2-normalized vectors.
 - **Guard** (:func:`guard_signature`): a bag-of-words embedding barely moves when one word changes, yet "after
   30 days" / "after 60 days", "can I" / "can't I" and "to Canada" / "to Mexico" need other answers. Two
-  questions may match only if they have the same numbers (digits, and number words as digits), the same count of
-  negations (not, no, never, without, n't, ...) and the same capitalized words after the first (named entities).
+  questions may match only if they have the same numbers (digits, and number words as digits), the same
+  negations (what each applies to), the same capitalized words after the first (named entities), the same
+  polarity words, and the same :func:`strict_signature`: question words, pronouns' persons in order, tense,
+  the word after each number, each preposition's object, and the content words (normalized, a small synonym and
+  filler list applied) as equal sets in the same order. Strict by design: a lost hit costs one recomputation, a
+  wrong answer is served to a user.
 - **Match** (:class:`SemanticIndex`): the most similar cached question whose guard signature is equal and whose
   context key (everything else: system prompt, earlier turns, parameters) is the same, if its similarity is at
   least the threshold.
@@ -92,26 +96,106 @@ def content_words(text: str) -> tuple[str, ...]:
                  and low not in NEGATIONS)
 
 
-def query_signature(text: str) -> tuple[tuple, tuple[str, ...]]:
-    """What :func:`guards_match` compares: (:func:`guard_signature`, :func:`content_words`)."""
-    return guard_signature(text), content_words(text)
+QUESTION_WORDS = {"how": "how", "why": "why", "when": "when", "where": "where", "what": "what", "which": "what",
+                  "who": "who", "whom": "who", "whose": "whose", "whether": "whether"}  # "which" is "what"
+# pronouns and possessives by person (the order in which the persons come is kept: "can you reset my password"
+# is not "can I reset your password"); the expletive "it" ("is it possible") is left out
+PERSONS = {w: k for k, ws in {"1s": "i me my mine myself", "2": "you your yours yourself yourselves",
+                                "1p": "we us our ours ourselves", "3m": "he him his himself",
+                                "3f": "she her hers herself", "3n": "its itself",
+                                "3p": "they them their theirs themselves"}.items() for w in ws.split()}
+TENSES = {"was": "past", "were": "past", "did": "past", "had": "past", "will": "future", "shall": "future",
+          "won't": "future"}  # auxiliaries: "was X free?" is not "is X free?"
+PREPOSITIONS = frozenset("to from for with without by at in on of into onto about via between through toward "
+                         "towards near across per against under over after before within since until during "
+                         "than".split())
+PREPOSITION_SYNONYMS = {"using": "with", "via": "by", "towards": "toward"}
+_DETERMINERS = frozenset("a an the this that these those some any each every another other my your our their his "
+                         "her its".split())
+# "to" after these marks an infinitive ("is it possible to return"), not a direction
+_INFINITIVE_BEFORE = frozenset("possible way able want wants need needs like wish try going have has how".split())
+# content words that do not change a question's answer (dropped before the sets are compared) and synonyms (mapped
+# to one word first); kept small and explicit: a lost hit costs one recomputation, a wrong answer is wrong
+FILLERS = frozenset("possible way please kindly actually really also still just exactly currently now".split())
+SYNONYMS = {"deliver": "ship", "delivery": "shipping", "delivered": "shipped"}
 
 
-def _adds_a_modifier(short: tuple[str, ...], long: tuple[str, ...]) -> bool:
-    """Whether ``long`` has every content word of ``short`` plus one placed right before a shared word (a
-    modifier: "reset my *email* password")."""
-    kept = set(short)
-    if not kept < set(long):
-        return False
-    return any(w not in kept and nxt in kept for w, nxt in zip(long, long[1:], strict=False))
+def stem(word: str) -> str:
+    """A light English normalization (plural, -ed, -ing, a final e, a doubled final consonant): "addresses" ->
+    "address", "declined" / "declining" -> "declin", "shipping" -> "ship"; only ever compared with itself."""
+    w = word
+    if len(w) > 4 and w.endswith("ies"):
+        w = w[:-3] + "y"
+    elif w.endswith("sses"):
+        w = w[:-2]
+    elif len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
+        w = w[:-1]
+    if len(w) > 5 and w.endswith("ing"):
+        w = w[:-3]
+    elif len(w) > 4 and w.endswith("ed"):
+        w = w[:-2]
+    if len(w) > 4 and w.endswith("e"):
+        w = w[:-1]
+    if len(w) >= 4 and w[-1] == w[-2] and w[-1] not in "lsz":
+        w = w[:-1]
+    return w
 
 
-def guards_match(a: tuple[tuple, tuple[str, ...]], b: tuple[tuple, tuple[str, ...]]) -> bool:
-    """Whether two questions' :func:`query_signature` allow them to share an answer: equal guard signatures, and
-    neither adds a modifier to the other's words (:func:`_adds_a_modifier`: "reset my email password" is not
-    "reset my password", while "where is my order now" may be "where is my order")."""
-    (ga, wa), (gb, wb) = a, b
-    return ga == gb and not _adds_a_modifier(wa, wb) and not _adds_a_modifier(wb, wa)
+_FILLER_STEMS = frozenset(stem(f) for f in FILLERS)
+
+
+def _number(low: str) -> str | None:
+    if low[0].isdigit():
+        return low.replace(",", "")
+    return NUMBER_WORDS.get(low)
+
+
+def strict_signature(text: str) -> tuple:
+    """What else two questions must share to share an answer (the strict guard): their question words
+    (``QUESTION_WORDS``), the persons of their pronouns and possessives in order (``PERSONS``, repeats of one
+    person merged), the tense of their auxiliaries (``TENSES``), the word after each number, each preposition's
+    object (the next word past determiners; ``PREPOSITION_SYNONYMS`` applied) as a sorted tuple, and their content
+    words (:func:`content_words`, :func:`stem`-med, ``SYNONYMS`` applied, ``FILLERS`` dropped) in order of first
+    appearance: equal sets in the same order, so "5 miles to kilometers" is not "5 kilometers to miles" and a
+    word added on either side ("by express", "tomorrow") keeps them apart."""
+    tokens = [t.lower() for t in _TOKEN.findall(text)]
+    bare = [t[:-2] if t.endswith("'s") else t for t in tokens]  # "what's", "where's", "my company's"
+    questions = tuple(sorted({QUESTION_WORDS[t] for t in bare if t in QUESTION_WORDS}))
+    persons: list[str] = []
+    for t in bare:
+        p = PERSONS.get(t)
+        if p is not None and (not persons or persons[-1] != p):
+            persons.append(p)
+    tenses = tuple(sorted({TENSES[t] for t in tokens if t in TENSES}))
+    after_numbers, objects = [], set()
+    for i, t in enumerate(tokens):
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if _number(t) is not None:
+            after_numbers.append(stem(nxt) if nxt and _number(nxt) is None else nxt)
+        prep = PREPOSITION_SYNONYMS.get(t, t)
+        if prep in PREPOSITIONS and not (prep == "to" and i and tokens[i - 1] in _INFINITIVE_BEFORE):
+            j = i + 1
+            while j < len(tokens) and tokens[j] in _DETERMINERS:
+                j += 1
+            obj = tokens[j] if j < len(tokens) else ""
+            objects.add((prep, _number(obj) or stem(SYNONYMS.get(obj, obj)) if obj else ""))
+    content: list[str] = []
+    for w in content_words(text):
+        w = stem(SYNONYMS.get(w, w))
+        if w not in _FILLER_STEMS and w not in PREPOSITIONS and w not in content:  # prepositions: in objects
+            content.append(w)
+    return (questions, tuple(persons), tenses, tuple(after_numbers), tuple(sorted(objects)), tuple(content))
+
+
+def query_signature(text: str) -> tuple[tuple, tuple]:
+    """What :func:`guards_match` compares: (:func:`guard_signature`, :func:`strict_signature`); hashable."""
+    return guard_signature(text), strict_signature(text)
+
+
+def guards_match(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
+    """Whether two questions' :func:`query_signature` allow them to share an answer: both signatures equal (the
+    strict guard: a lost hit costs one recomputation, a wrong answer is served to a user)."""
+    return a == b
 
 
 class SemanticIndex:

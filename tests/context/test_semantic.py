@@ -1,6 +1,6 @@
 """The semantic cache's matching on its test set (semantic_pairs.py): paraphrases should hit, near-misses that
-differ in a negation, a number, a named entity or the object must not. Both rates are printed (``-s``) and the
-false-hit rate is held to <= 1%."""
+differ in a negation, a number, a named entity, the object, the order, a question word, an owner, a direction or an
+added word must not. Both rates are printed (``-s``) and the false-hit rate is held to 0."""
 
 from __future__ import annotations
 
@@ -49,11 +49,38 @@ def test_opposite_words_keep_questions_apart(a, b):
     assert not guards_match(query_signature(a), query_signature(b))
 
 
-def test_an_added_qualifier_keeps_questions_apart_a_replaced_word_does_not():
+def test_an_added_qualifier_or_a_replaced_word_keeps_questions_apart():
     assert not guards_match(query_signature("How can I reset my password?"),
                             query_signature("How can I reset my email password?"))
-    assert guards_match(query_signature("How do I reset my password?"),
-                        query_signature("How can I change my password?"))
+    assert not guards_match(query_signature("How do I reset my password?"),  # another action: another answer
+                            query_signature("How can I change my password?"))
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("How do I reset my password?", "How can I reset my password?"),  # modal verbs are function words
+    ("Do you ship to Canada?", "Do you deliver to Canada?"),  # SYNONYMS
+    ("Do you accept gift cards?", "Do you accept a gift card?"),  # plural
+    ("Why was my card declined?", "Why did my card get declined?"),  # both past
+    ("What's the return window?", "What is the return window, please?"),  # a filler
+    ("Can I pay with PayPal?", "Can I pay using PayPal?"),  # PREPOSITION_SYNONYMS
+    ("Can I upgrade my plan?", "Is it possible to upgrade my plan?"),  # "to" of an infinitive, expletive "it"
+])
+def test_the_strict_guard_lets_these_share_an_answer(a, b):
+    assert guards_match(query_signature(a), query_signature(b))
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("How do I convert 5 miles to kilometers?", "How do I convert 5 kilometers to miles?"),  # order
+    ("What can I do after 30 days?", "What can I do after 30 weeks?"),  # the word after a number
+    ("How do I reset my password?", "Why do I reset my password?"),  # question word
+    ("Can you reset my password?", "Can I reset your password?"),  # persons, in order
+    ("Is it safe?", "Is it unsafe?"),  # prefix antonym: another content word
+    ("Is delivery from Berlin free?", "Is delivery to Berlin free?"),  # a preposition's object
+    ("Is shipping to Paris free?", "Is shipping to Paris free tomorrow?"),  # an added word
+    ("Is shipping to Paris free?", "Was shipping to Paris free?"),  # tense
+])
+def test_the_strict_guard_keeps_these_apart(a, b):
+    assert not guards_match(query_signature(a), query_signature(b))
 
 
 def test_embeddings_are_unit_vectors(embedder):
@@ -79,8 +106,8 @@ def test_false_hits_at_most_1_percent_and_paraphrase_rate_reported(embedder):
     para, false = rates(embedder, DEFAULT_THRESHOLD)
     print(f"\nsemantic cache at similarity {DEFAULT_THRESHOLD}: paraphrase hit rate {para:.1%} "
           f"({len(PARAPHRASES)} pairs), near-miss false-hit rate {false:.1%} ({len(NEAR_MISSES)} pairs)")
-    assert false <= 0.01
-    assert para >= 0.8
+    assert false == 0  # a wrong answer is worse than a lost hit
+    assert para >= 0.6  # what the strict guard leaves (README, "Context optimization")
 
 
 def test_index_keeps_contexts_apart_and_is_bounded(embedder):

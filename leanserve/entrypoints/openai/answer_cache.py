@@ -16,8 +16,9 @@ if the twin ends without an answer (aborted, failed), the waiting request runs i
 
 The semantic cache (``--answer-cache semantic``) adds, for a chat request whose exact key missed: the answer of
 an earlier question asked in the same context (same tenant, model, messages but the last user message, policy
-fields and parameters) whose embedding is at least ``--answer-cache-similarity`` similar and whose numbers,
-negations and named entities are the same (:mod:`leanserve.context.semantic`). Its hits count as
+fields and parameters) whose embedding is at least ``--answer-cache-similarity`` similar and whose lexical guard
+(numbers, negations, named entities, question words, persons, tense, prepositions' objects, content words in
+order) is the same (:mod:`leanserve.context.semantic`). Its hits count as
 ``kind="semantic"``.
 """
 
