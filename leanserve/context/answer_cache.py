@@ -6,7 +6,10 @@ deterministic requests may be cached (:func:`is_deterministic`: greedy, or seede
 serving layer pickles the outputs it replays), so the size of an entry is exact: its payload, its 32-byte key
 and :data:`ENTRY_OVERHEAD` bytes for the bookkeeping (dict slot, list node, timestamps). ``nbytes`` never
 exceeds ``max_bytes``: inserting evicts least recently used entries first, and an entry larger than the whole
-bound is not stored. An entry older than ``ttl`` seconds is a miss (and is removed). Thread-safe.
+bound is not stored. An entry older than ``ttl`` seconds is a miss (and is removed; inserting also removes the
+expired entries at the least recently used end). An entry may carry ``extra_nbytes`` charged with it (the
+semantic index's embedding of its question), and ``on_remove(key)`` is called for every entry that leaves the
+cache (evicted, expired, replaced, cleared), so whatever else holds that key is dropped with it. Thread-safe.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ def _default(obj: Any) -> Any:
 class CacheEntry:
     payload: bytes
     created: float
+    extra_nbytes: int = 0  # charged with the entry (e.g. its question's semantic index entry)
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + 32 + ENTRY_OVERHEAD
+        return len(self.payload) + 32 + ENTRY_OVERHEAD + self.extra_nbytes
 
 
 class AnswerCache:
@@ -64,7 +68,8 @@ class AnswerCache:
         InvalidParameterError: ``max_bytes`` < 1 or ``ttl`` <= 0.
     """
 
-    def __init__(self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 on_remove: Callable[[bytes], Any] | None = None) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise InvalidParameterError("answer_cache_bytes", f"answer_cache_bytes must be >= 1, got {max_bytes!r}")
         if not ttl > 0:
@@ -72,6 +77,7 @@ class AnswerCache:
         self.max_bytes = max_bytes
         self.ttl = float(ttl)
         self._clock = clock
+        self._on_remove = on_remove
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -96,15 +102,22 @@ class AnswerCache:
             self.hits += 1
             return entry.payload
 
-    def put(self, key: bytes, payload: bytes) -> bool:
-        """Store ``payload`` under ``key`` (replacing any), evicting the least recently used entries to stay
-        within ``max_bytes``. Returns False, storing nothing, when the entry alone exceeds the bound."""
-        entry = CacheEntry(bytes(payload), self._clock())
+    def put(self, key: bytes, payload: bytes, extra_nbytes: int = 0) -> bool:
+        """Store ``payload`` under ``key`` (replacing any), charged ``extra_nbytes`` more, evicting expired then
+        least recently used entries to stay within ``max_bytes``. Returns False, storing nothing, when the entry
+        alone exceeds the bound."""
+        now = self._clock()
+        entry = CacheEntry(bytes(payload), now, extra_nbytes)
         if entry.nbytes > self.max_bytes:
             return False
         with self._lock:
             if key in self._entries:
                 self._remove(key)
+            while self._entries:  # expired entries at the least recently used end
+                head = next(iter(self._entries))
+                if now - self._entries[head].created <= self.ttl:
+                    break
+                self._remove(head)
             while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
                 self._remove(next(iter(self._entries)))
                 self.evictions += 1
@@ -115,8 +128,11 @@ class AnswerCache:
     def _remove(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self.nbytes -= entry.nbytes
+        if self._on_remove is not None:
+            self._on_remove(key)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            for key in list(self._entries):
+                self._remove(key)
             self.nbytes = 0

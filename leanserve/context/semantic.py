@@ -19,6 +19,7 @@ asked in the same context, behind a lexical guard.
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -198,47 +199,102 @@ def guards_match(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
     return a == b
 
 
+SEMANTIC_ENTRY_OVERHEAD = 768  # bytes charged per index entry besides its row and signature: dict / list slots,
+# key objects, the bucket's share (tested with tracemalloc)
+
+
+def _sizeof(obj: Any) -> int:
+    """Bytes of ``obj`` and the tuples / strings / bytes inside it (sys.getsizeof, recursively)."""
+    n = sys.getsizeof(obj)
+    if isinstance(obj, tuple):
+        n += sum(_sizeof(x) for x in obj)
+    return n
+
+
+class _Bucket:
+    """The vectors of one (context, signature): rows of one float32 matrix, grown by doubling."""
+
+    __slots__ = ("keys", "matrix")
+
+    def __init__(self, dim: int) -> None:
+        self.keys: list[bytes] = []
+        self.matrix = np.empty((1, dim), np.float32)
+
+
 class SemanticIndex:
-    """Cached questions' vectors by context key; at most ``max_entries`` (the oldest go first). Thread-safe."""
+    """Cached questions' vectors, by (context key, :func:`query_signature`): only questions whose guards match can
+    share an answer (:func:`guards_match` is equality), so a lookup is one matrix-vector product over the cached
+    questions of that context with the same signature (numpy), whatever the index holds elsewhere.
+
+    Bounded by the answer cache it serves: each entry's bytes (:meth:`entry_nbytes`: its row, counted twice for
+    the matrix's doubling slack, its signature and :data:`SEMANTIC_ENTRY_OVERHEAD`) are charged to its answer's
+    entry and the entry is :meth:`discard`-ed when that answer leaves the cache (LRU, TTL); ``max_entries`` is a
+    last guard (oldest first). Thread-safe.
+    """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[bytes, tuple[bytes, np.ndarray, Any]] = OrderedDict()  # entry key -> ...
-        self._by_context: dict[bytes, set[bytes]] = {}
+        self._where: OrderedDict[bytes, tuple[bytes, Any]] = OrderedDict()  # entry key -> bucket key, oldest first
+        self._buckets: dict[tuple[bytes, Any], _Bucket] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._where)
+
+    @staticmethod
+    def entry_nbytes(vector: np.ndarray, signature: Any) -> int:
+        """The bytes one entry holds (an upper bound: a signature shared by a bucket's entries is counted each
+        time)."""
+        return 2 * int(np.asarray(vector).nbytes) + _sizeof(signature) + SEMANTIC_ENTRY_OVERHEAD
 
     def add(self, entry_key: bytes, context_key: bytes, vector: np.ndarray, signature: Any) -> None:
+        vector = np.asarray(vector, np.float32)
         with self._lock:
-            if entry_key in self._entries:
+            if entry_key in self._where:
                 self._drop(entry_key)
-            while len(self._entries) >= self.max_entries:
-                self._drop(next(iter(self._entries)))
-            self._entries[entry_key] = (context_key, vector, signature)
-            self._by_context.setdefault(context_key, set()).add(entry_key)
+            while len(self._where) >= self.max_entries:
+                self._drop(next(iter(self._where)))
+            bkey = (context_key, signature)
+            bucket = self._buckets.get(bkey)
+            if bucket is None:
+                bucket = self._buckets[bkey] = _Bucket(vector.shape[0])
+            n = len(bucket.keys)
+            if n == bucket.matrix.shape[0]:
+                grown = np.empty((2 * n, bucket.matrix.shape[1]), np.float32)
+                grown[:n] = bucket.matrix
+                bucket.matrix = grown
+            bucket.matrix[n] = vector
+            bucket.keys.append(entry_key)
+            self._where[entry_key] = bkey
 
     def _drop(self, entry_key: bytes) -> None:
-        context_key, _, _ = self._entries.pop(entry_key)
-        keys = self._by_context[context_key]
-        keys.discard(entry_key)
-        if not keys:
-            del self._by_context[context_key]
+        bkey = self._where.pop(entry_key)
+        bucket = self._buckets[bkey]
+        row, last = bucket.keys.index(entry_key), len(bucket.keys) - 1
+        if row != last:  # the last row takes its place
+            bucket.matrix[row] = bucket.matrix[last]
+            bucket.keys[row] = bucket.keys[last]
+        bucket.keys.pop()
+        if not bucket.keys:
+            del self._buckets[bkey]
+        elif 4 * len(bucket.keys) <= bucket.matrix.shape[0]:
+            bucket.matrix = bucket.matrix[:2 * len(bucket.keys)].copy()
 
     def match(self, context_key: bytes, vector: np.ndarray, signature: Any, threshold: float
               ) -> tuple[bytes, float] | None:
-        """(entry key, similarity) of the best cached question of that context with the same guard signature,
-        if its similarity reaches ``threshold``; else None."""
+        """(entry key, similarity) of the most similar cached question of that context with the same guard
+        signature, if its similarity reaches ``threshold``; else None."""
         with self._lock:
-            keys = [k for k in self._by_context.get(context_key, ()) if guards_match(self._entries[k][2], signature)]
-            if not keys:
+            bucket = self._buckets.get((context_key, signature))
+            if bucket is None:
                 return None
-            sims = np.stack([self._entries[k][1] for k in keys]) @ vector
-        best = int(np.argmax(sims))
-        return (keys[best], float(sims[best])) if sims[best] >= threshold else None
+            n = len(bucket.keys)
+            sims = bucket.matrix[:n] @ np.asarray(vector, np.float32)
+            best = int(np.argmax(sims))
+            key, sim = bucket.keys[best], float(sims[best])
+        return (key, sim) if sim >= threshold else None
 
     def discard(self, entry_key: bytes) -> None:
         with self._lock:
-            if entry_key in self._entries:
+            if entry_key in self._where:
                 self._drop(entry_key)

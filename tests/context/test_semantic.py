@@ -120,3 +120,69 @@ def test_index_keeps_contexts_apart_and_is_bounded(embedder):
     index.add(b"e2", b"ctx-a", v, query_signature(q))
     index.add(b"e3", b"ctx-b", v, query_signature(q))
     assert len(index) == 2 and index.match(b"ctx-a", v, query_signature(q), 0.5)[0] == b"e2"
+
+
+def _serving_cache(bound: int):
+    from leanserve.entrypoints.openai.answer_cache import ServingAnswerCache
+
+    from prometheus_client import CollectorRegistry
+
+    return ServingAnswerCache("m", bound, 3600.0, CollectorRegistry(), semantic=True)
+
+
+def _query(i: int, rng):
+    from leanserve.entrypoints.openai.answer_cache import SemanticQuery
+
+    v = rng.standard_normal(256).astype(np.float32)
+    q = f"How do I configure feature number {i} of product {i % 97}?"
+    return SemanticQuery(b"one context", v / np.linalg.norm(v), query_signature(q))
+
+
+def test_index_memory_within_the_cache_bound_under_10000_distinct_semantic_entries():
+    """10,000 distinct questions (one context) through a 1 MiB semantic cache: the index is evicted with the
+    answers, the accounted size stays within the bound and so does the memory really held (tracemalloc), and a
+    lookup does not scan the index."""
+    import time
+    import tracemalloc
+
+    bound = 1 << 20
+    cache = _serving_cache(bound)
+    rng = np.random.default_rng(0)
+    queries = [_query(i, rng) for i in range(10_000)]
+    record = {"steps": [], "num_cached_tokens": 0, "outputs": [(0, "x" * 200, list(range(50)), "stop", None,
+                                                                 None, None)]}
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    peak = 0
+    for i, q in enumerate(queries):
+        cache.store(i.to_bytes(32, "big"), record, q)
+        peak = max(peak, cache.cache.nbytes)
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert peak <= bound and cache.cache.evictions > 9000
+    assert held <= bound, held
+    assert len(cache.index) == len(cache.cache) < 1000  # the evicted answers' embeddings went with them
+    assert cache.index.match(b"one context", queries[0].vector, queries[0].signature, 0.5) is None  # evicted
+    last = queries[-1]
+    t0 = time.perf_counter()
+    for _ in range(100):
+        found = cache.index.match(b"one context", last.vector, last.signature, 0.99)
+    assert found[0] == (9_999).to_bytes(32, "big") and (time.perf_counter() - t0) / 100 < 0.005
+
+
+def test_expiry_and_eviction_remove_the_embedding_too():
+    cache = _serving_cache(1 << 20)
+    now = [0.0]
+    cache.cache._clock = lambda: now[0]
+    rng = np.random.default_rng(1)
+    a, b = _query(1, rng), _query(2, rng)
+    record = {"steps": [], "num_cached_tokens": 0, "outputs": []}
+    cache.store(b"a" * 32, record, a)
+    assert cache.index.match(a.context_key, a.vector, a.signature, 0.99)[0] == b"a" * 32
+    now[0] = 4000.0  # past the TTL: the next insert sweeps it, its embedding with it
+    cache.store(b"b" * 32, record, b)
+    assert len(cache.index) == 1 and cache.index.match(a.context_key, a.vector, a.signature, 0.5) is None
+    cache.cache.clear()
+    assert len(cache.index) == 0
+    small = _serving_cache(1)  # nothing fits: nothing is indexed either
+    assert not small.store(b"c" * 32, record, a) and len(small.index) == 0

@@ -18,8 +18,11 @@ The semantic cache (``--answer-cache semantic``) adds, for a chat request whose 
 an earlier question asked in the same context (same tenant, model, messages but the last user message, policy
 fields and parameters) whose embedding is at least ``--answer-cache-similarity`` similar and whose lexical guard
 (numbers, negations, named entities, question words, persons, tense, prepositions' objects, content words in
-order) is the same (:mod:`leanserve.context.semantic`). Its hits count as
-``kind="semantic"``.
+order) is the same (:mod:`leanserve.context.semantic`). The index of cached questions is
+part of the cache: each question's embedding and signature are charged to its answer's bytes
+(``--answer-cache-bytes``) and leave with it (LRU, TTL); a lookup is one matrix-vector product over the questions
+of that context with the same guard signature, so it stays fast (it runs on the event loop) as the index fills.
+Its hits count as ``kind="semantic"``.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ class ServingAnswerCache:
     def __init__(self, model_name: str, max_bytes: int, ttl: float, registry: CollectorRegistry | None = None,
                  semantic: bool = False, threshold: float | None = DEFAULT_THRESHOLD) -> None:
         self.model_name = model_name
-        self.cache = AnswerCache(max_bytes, ttl)
         self.threshold = DEFAULT_THRESHOLD if threshold is None else threshold  # None: --answer-cache-similarity unset
         self.embedder = WordLlamaEmbedder() if semantic else None
         self.index = SemanticIndex() if semantic else None
+        # an answer's semantic index entry is charged to its bytes and leaves with it (LRU, TTL)
+        self.cache = AnswerCache(max_bytes, ttl, on_remove=self.index.discard if self.index is not None else None)
         self._pending: dict[bytes, asyncio.Future] = {}  # keys being answered now -> their record (or None)
         self.queries, self.hits = _counters(registry)
         self.queries.labels(model_name)
@@ -107,13 +111,23 @@ class ServingAnswerCache:
     def release(self, key: bytes, future: asyncio.Future, record: dict[str, Any] | None = None,
                 semantic: SemanticQuery | None = None) -> None:
         """End a :meth:`claim`: store ``record`` (None: the request gave no answer) and wake the waiters."""
-        if record is not None and self.cache.put(key, pickle.dumps(record, protocol=5)) \
-                and semantic is not None and self.index is not None:
-            self.index.add(key, semantic.context_key, semantic.vector, semantic.signature)
+        if record is not None:
+            self.store(key, record, semantic)
         if self._pending.get(key) is future:
             del self._pending[key]
         if not future.done():
             future.set_result(record)
+
+    def store(self, key: bytes, record: dict[str, Any], semantic: SemanticQuery | None = None) -> bool:
+        """Put an answer in the cache, with its question in the semantic index (its bytes charged to the answer's
+        entry); False when it alone exceeds the bound (nothing stored)."""
+        use_index = semantic is not None and self.index is not None
+        extra = self.index.entry_nbytes(semantic.vector, semantic.signature) if use_index else 0
+        if not self.cache.put(key, pickle.dumps(record, protocol=5), extra):
+            return False
+        if use_index:
+            self.index.add(key, semantic.context_key, semantic.vector, semantic.signature)
+        return True
 
     def recording(self, stream: Any, key: bytes, future: asyncio.Future,
                   semantic: SemanticQuery | None = None) -> RecordingStream:
