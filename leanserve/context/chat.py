@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanserve.context.history import TrimmedHistory, count_tokens, trim_history
+from leanserve.context.history import TrimmedHistory, count_tokens, for_template, trim_history
 from leanserve.context.passages import as_passages, build_messages, last_user_text, select_passages
 from leanserve.context.summary import summary_message, with_summary
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError
@@ -114,7 +114,7 @@ def prepare_chat(messages: Sequence[dict[str, Any]], tokenizer: Any, *, document
             msgs_with_summary = None
         out.dropped_messages = trimmed.dropped
         msgs = msgs_with_summary or trimmed.messages
-    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+    text = tokenizer.apply_chat_template(for_template(msgs), add_generation_prompt=add_generation_prompt, **kwargs)
     out.prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
     out.messages = msgs
     out.prompt_tokens_sent = len(out.prompt_token_ids) if sent is None else sent

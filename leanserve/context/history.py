@@ -19,7 +19,10 @@ Policy (:func:`trim_history`):
   (a 400 over HTTP): nothing is cut silently and nothing pinned is cut.
 
 Messages are dicts as the chat template takes them (``role``, ``content``, optionally ``tool_calls`` and
-``tool_call_id``); the tokenizer is anything with ``apply_chat_template(messages, add_generation_prompt)`` and
+``tool_call_id``; an assistant message may have ``content: None`` beside its ``tool_calls``, as in OpenAI's API: the
+template gets ``""`` for it, so a template that does not render ``tool_calls`` counts such a message as empty; pass
+a tokenizer that renders them, e.g. :class:`leanserve.structured.tool_template.ToolTemplate`, as the server and
+``LLM.chat`` do); the tokenizer is anything with ``apply_chat_template(messages, add_generation_prompt)`` and
 ``encode(text, add_special_tokens=False)`` (:class:`leanserve.tokenizer.Tokenizer`).
 """
 
@@ -60,10 +63,18 @@ class TrimmedHistory:
 
 def count_tokens(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                  **template_kwargs: Any) -> int:
-    """Tokens of ``messages`` with the chat template applied, encoded without added special tokens."""
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+    """Tokens of ``messages`` with the chat template applied (content None as ""), encoded without added special
+    tokens."""
+    text = tokenizer.apply_chat_template(for_template(messages), add_generation_prompt=add_generation_prompt,
                                          **template_kwargs)
     return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def for_template(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with a ``content`` of None given as "" (an assistant message that only calls tools), the
+    others as they are: a template that concatenates ``content`` fails on None."""
+    return [m if not isinstance(m, dict) or m.get("content") is not None else {**m, "content": ""}
+            for m in messages]
 
 
 def split_turns(messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[list[int]], list[int]]:

@@ -14,6 +14,7 @@ from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
+from leanserve.structured.tool_template import ToolTemplate, has_tool_turns
 
 from tqdm.auto import tqdm
 
@@ -99,8 +100,10 @@ class LLM:
         tok = self.engine.tokenizer
 
         def prepare(conv: Sequence[Message], summary: str | None = None) -> PreparedChat:
-            return prepare_chat(list(conv), tok, documents=documents, max_context_tokens=max_context_tokens,
-                                top_k_documents=top_k_documents, reorder_documents=reorder_documents,
+            conv = list(conv)  # tool turns (content None beside tool_calls) rendered as the server renders them
+            return prepare_chat(conv, ToolTemplate(tok, None) if has_tool_turns(conv) else tok, documents=documents,
+                                max_context_tokens=max_context_tokens, top_k_documents=top_k_documents,
+                                reorder_documents=reorder_documents,
                                 max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
                                 add_generation_prompt=add_generation_prompt,
                                 history_summary_tokens=history_summary_tokens, summary=summary)

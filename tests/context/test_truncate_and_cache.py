@@ -147,3 +147,38 @@ def test_llm_chat_summarizes_the_dropped_turns_once(llm, monkeypatch):
     assert llm.last_chat_context[0].summary_status == "failed"
     assert "ContextLengthExceededError" in llm.last_chat_context[0].summary_reason
     assert failed[0].prompt_token_ids == prepare_chat(conv, llm.get_tokenizer(), keep_last_turns=1).prompt_token_ids
+
+
+TOOL_CONV = [{"role": "system", "content": "Answer briefly."},
+             {"role": "user", "content": "What is the weather in Oslo?"},
+             {"role": "assistant", "content": None, "tool_calls": [  # OpenAI's shape: no content beside the calls
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "3 C, light snow"},
+             {"role": "assistant", "content": "It is 3 C with light snow in Oslo."},
+             {"role": "user", "content": "And should I take an umbrella?"}]
+
+
+def test_llm_chat_takes_an_assistant_message_with_content_none_and_tool_calls(llm):
+    """As the server: the tool turns go through the hermes fallback (SmolLM2's template has no tools)."""
+    from leanserve.structured.tools import render_messages
+
+    tok = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    out = llm.chat(TOOL_CONV, params)
+    expected = tok.encode(tok.apply_chat_template(render_messages(TOOL_CONV, None)), add_special_tokens=False)
+    assert out[0].prompt_token_ids == expected
+    assert "get_weather" in tok.decode(expected)
+    out = llm.chat(TOOL_CONV, params, keep_last_turns=1)  # the whole tool turn is dropped together
+    assert llm.last_chat_context[0].dropped_messages == [1, 2, 3, 4]
+
+
+def test_trim_history_takes_an_assistant_message_with_content_none(llm):
+    from leanserve.context import count_tokens, trim_history
+
+    tok = llm.get_tokenizer()
+    empty = [{**m, "content": ""} if m["content"] is None else m for m in TOOL_CONV]
+    full = count_tokens(tok, empty)
+    trimmed = trim_history(TOOL_CONV, tok, max_prompt_tokens=full - 1)
+    assert trimmed.num_tokens_sent == full and trimmed.dropped == [1, 2, 3, 4]
+    assert trimmed.messages[0] is TOOL_CONV[0] and trimmed.messages[-1] is TOOL_CONV[-1]

@@ -75,7 +75,8 @@ from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.errors import LeanserveError
 from leanserve.outputs import Logprob, RequestOutput
 from leanserve.sampling_params import MAX_LOGPROBS
-from leanserve.structured.tools import ToolCallDelta, ToolCallParser, render_messages
+from leanserve.structured.tool_template import ToolTemplate as _ToolTemplate
+from leanserve.structured.tools import ToolCallDelta, ToolCallParser
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -281,24 +282,6 @@ class OpenAIServingChat:
         finally:
             stream.abort()
         yield SSE_DONE
-
-
-class _ToolTemplate:
-    """A tokenizer whose chat template renders ``tools`` and tool turns: passed to a template that uses ``tools``,
-    else through the hermes fallback (:func:`render_messages`) first. Everything else is the tokenizer's."""
-
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
-        self._tok, self._tools = tokenizer, tools
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
-        if "tools" in (self._tok.chat_template or ""):
-            return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tools=self._tools, **kw)
-        return self._tok.apply_chat_template(render_messages(list(messages), self._tools),
-                                             add_generation_prompt=add_generation_prompt, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tok, name)
 
 
 def _tool_parser() -> ToolCallParser:
