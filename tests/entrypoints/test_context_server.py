@@ -286,6 +286,17 @@ def test_12_passages_4_near_duplicates(client):
     assert b["usage"]["leanserve"]["documents_used"][0] == "d" and len(b["usage"]["leanserve"]["documents_used"]) <= 3
 
 
+def test_documents_with_truncate_prompt_tokens_are_a_400(client):
+    """A left cut would hide documents from the model while documents_used still listed them: refused."""
+    q = [{"role": "user", "content": "Which lake is the deepest?"}]
+    docs = [{"id": str(i), "text": f"Lake number {i} is {i * 10} meters deep."} for i in range(5)]
+    err = _bad(client.post(CHAT, json={"messages": q, "documents": docs, "truncate_prompt_tokens": 50,
+                                       "max_tokens": 1}), "truncate_prompt_tokens")
+    assert "max_context_tokens" in err["message"]
+    _ok(client.post(CHAT, json={"messages": q, "documents": [], "truncate_prompt_tokens": 50, "max_tokens": 1,
+                                "cache": False}))  # no documents: nothing hidden
+
+
 # --------------------------------------------------------------------------------------------- answer cache
 def test_repeated_deterministic_request_is_served_from_the_cache(server, client):
     body = {"messages": [{"role": "user", "content": "Name three colors of the rainbow."}], "max_tokens": 12,
@@ -364,6 +375,19 @@ def test_completions_are_cached_too(client):
     a, b = client.post(COMPLETIONS, json=body), client.post(COMPLETIONS, json=body)
     assert (a.headers["x-leanserve-cache"], b.headers["x-leanserve-cache"]) == ("miss", "hit")
     assert a.json()["choices"] == b.json()["choices"]
+
+
+def test_a_completions_batch_with_a_hit_reports_only_what_was_computed(client):
+    a = "The largest planet of the solar system is"
+    first = _ok(client.post(COMPLETIONS, json={"prompt": a, "max_tokens": 3, "temperature": 0}))
+    n_a = first["usage"]["prompt_tokens"]
+    batch = client.post(COMPLETIONS, json={"prompt": [a, "A batch's second prompt, never seen before, is"],
+                                           "max_tokens": 3, "temperature": 0})
+    assert batch.headers["x-leanserve-cache"] == "miss"  # not all of it hit
+    usage = _ok(batch)["usage"]
+    cached_b = usage["prompt_tokens_details"]["cached_tokens"] - first["usage"]["prompt_tokens_details"][
+        "cached_tokens"]  # the hit reports the cached tokens of its first run
+    assert usage["leanserve"]["prompt_tokens_computed"] == usage["prompt_tokens"] - n_a - cached_b
 
 
 def test_semantic_cache_hits_a_paraphrase_not_a_near_miss(server, client):

@@ -295,6 +295,11 @@ class CachedStream:
             yield RequestOutput("cached", None, self._prompt, outs, finished=last,
                                 num_cached_tokens=rec["num_cached_tokens"], metrics=outs[0].metrics if outs else None)
 
+    @property
+    def replayed_tokens(self) -> int:
+        """Prompt tokens this replay reports but nobody computed now beyond its recorded ``cached_tokens``."""
+        return len(self._prompt) - self._record["num_cached_tokens"]
+
     def abort(self) -> None:
         pass
 

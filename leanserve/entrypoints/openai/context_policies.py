@@ -64,6 +64,7 @@ class RequestContext:
     summary_prompt_tokens: int = 0
     summary_completion_tokens: int = 0
     route: RouteUsage | None = None  # a router model's decision (model_routing.py)
+    replayed_tokens: int = 0  # prompt tokens of the answer-cache hits of a batch that were not cached_tokens
 
     def admitted(self, num_rendered: int, num_admitted: int, truncate: int | None) -> None:
         """Record what admission's ``truncate_prompt_tokens`` cut from the rendered prompt."""
@@ -79,7 +80,7 @@ class RequestContext:
         dups = [DuplicateDocument(id=k, duplicate_of=v) for k, v in self.documents_duplicates.items()]
         return ContextUsage(
             prompt_tokens_sent=self.prompt_tokens_sent if self.prompt_tokens_sent is not None else prompt_tokens,
-            prompt_tokens_computed=0 if self.cache == "hit" else prompt_tokens - cached_tokens,
+            prompt_tokens_computed=0 if self.cache == "hit" else prompt_tokens - cached_tokens - self.replayed_tokens,
             truncated_tokens=self.truncated_tokens, dropped_messages=self.dropped_messages,
             documents_used=self.documents_used, documents_dropped=self.documents_dropped,
             documents_duplicates=dups if self.documents_used is not None else None, cache=self.cache,
@@ -108,6 +109,11 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSet
             messages, latest user turn with its passages) exceeds ``max_prompt_tokens``.
     """
     documents = None if req.documents is None else [{"id": d.id, "text": d.text} for d in req.documents]
+    if documents and req.truncate_prompt_tokens is not None:  # its cut would hide documents_used's lie
+        raise to_openai_error(InvalidParameterError(
+            "truncate_prompt_tokens", "truncate_prompt_tokens cuts the prompt from its start, where the documents "
+            "are; with documents, fit them with max_context_tokens / top_k_documents (and the history with "
+            "max_prompt_tokens)"))
     try:
         prepared = prepare_chat(
             [m.to_template_dict() for m in req.messages], tokenizer, documents=documents,

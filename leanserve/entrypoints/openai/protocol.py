@@ -325,7 +325,7 @@ class ContextUsage(ResponseModel):
     policy or the answer cache applied to the request."""
 
     prompt_tokens_sent: int  # prompt tokens as the client sent them (rendered), before any policy
-    prompt_tokens_computed: int  # prompt tokens the model computed: prompt_tokens - cached_tokens; 0 on a cache hit
+    prompt_tokens_computed: int  # computed now: prompt_tokens - cached_tokens - the answer-cache hits' prompts
     truncated_tokens: int = 0  # cut by truncate_prompt_tokens (from the start of the prompt)
     dropped_messages: list[int] | None = None  # indexes into the request's messages, by max_prompt_tokens / turns
     documents_used: list[str] | None = None  # passage ids, in prompt order

@@ -102,6 +102,7 @@ class OpenAIServingCompletion:
         streams, ctx.cache = await answer_cache.submit(
             raw_request, "completion", admitted, arrival, req.cache,
             lambda a: add_all(self.engine, request_id, a, arrival, req.priority, owner_of(raw_request)))
+        ctx.replayed_tokens = sum(getattr(s, "replayed_tokens", 0) for s in streams)  # hits computed nothing
         created = int(time.time())
         echo = [self._echo(p, a.prompt_token_ids, params.truncate_prompt_tokens) if req.echo else ""
                 for p, a in zip(prompts, admitted, strict=True)]
