@@ -1,7 +1,9 @@
 """One chat request's context policies, in order: passages (``documents``), then history, then the template.
 
 :func:`prepare_chat` is what the server (``entrypoints/openai/context_policies.py``) and ``LLM.chat`` both run.
-The history budget counts the passages too: they sit in the latest user turn, which is never dropped.
+The history budget counts the passages too: they sit in the latest user turn, which is never dropped; with
+``max_prompt_tokens`` the passages kept are the best-ranked ones that fit it beside the system/developer messages
+and the latest user turn (the others are reported in ``documents_dropped``).
 
 With ``history_summary_tokens=N`` (and turns dropped by the budget), the dropped turns are replaced by a summary
 (:mod:`leanserve.context.summary`) that the caller gets from the served model: the summary's room is reserved in
@@ -19,8 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanserve.context.history import TrimmedHistory, count_tokens, for_template, trim_history
-from leanserve.context.passages import as_passages, build_messages, last_user_text, select_passages
+from leanserve.context.history import TrimmedHistory, count_tokens, for_template, split_turns, trim_history
+from leanserve.context.passages import (
+    as_passages,
+    build_messages,
+    last_user_text,
+    lost_in_the_middle,
+    select_passages,
+)
 from leanserve.context.summary import summary_message, with_summary
 from leanserve.errors import ContextLengthExceededError, InvalidParameterError
 
@@ -99,13 +107,26 @@ def prepare_chat(messages: Sequence[dict[str, Any]], tokenizer: Any, *, document
                               top_k=top_k_documents, reorder=reorder_documents)
         all_msgs, all_kwargs = build_messages(msgs, as_passages(documents), tokenizer)
         sent = count_tokens(tokenizer, all_msgs, add_generation_prompt, **all_kwargs)
-        msgs, kwargs = build_messages(msgs, sel.used, tokenizer)
-        out.documents_used, out.documents_dropped, out.documents_duplicates = sel.used_ids, sel.dropped, \
+        used, dropped = sel.used, list(sel.dropped)
+        if max_prompt_tokens is not None and used:
+            order = {p.id: i for i, p in enumerate(as_passages(documents))}
+            used, over = _fit_passages(msgs, sel, order, tokenizer, max_prompt_tokens, add_generation_prompt,
+                                       reorder_documents)
+            dropped += over
+        msgs, kwargs = build_messages(msgs, used, tokenizer)
+        out.documents_used, out.documents_dropped, out.documents_duplicates = [p.id for p in used], dropped, \
             sel.duplicates
     if max_prompt_tokens is not None or keep_last_turns is not None:
         tok = _WithKwargs(tokenizer, kwargs) if kwargs else tokenizer
-        trimmed = trim_history(msgs, tok, max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
-                               add_generation_prompt=add_generation_prompt)
+        try:
+            trimmed = trim_history(msgs, tok, max_prompt_tokens=max_prompt_tokens, keep_last_turns=keep_last_turns,
+                                   add_generation_prompt=add_generation_prompt)
+        except ContextLengthExceededError as exc:
+            if not documents:
+                raise
+            raise ContextLengthExceededError(
+                f"{exc} with {len(out.documents_used or [])} of the documents kept and "
+                f"{len(out.documents_dropped or [])} left out to fit", param="max_prompt_tokens") from None
         sent = trimmed.num_tokens_sent if sent is None else sent
         if history_summary_tokens and trimmed.dropped:
             trimmed, msgs_with_summary = _summarize(out, msgs, tok, trimmed, history_summary_tokens, summary,
@@ -119,6 +140,35 @@ def prepare_chat(messages: Sequence[dict[str, Any]], tokenizer: Any, *, document
     out.messages = msgs
     out.prompt_tokens_sent = len(out.prompt_token_ids) if sent is None else sent
     return out
+
+
+def _fit_passages(msgs: list[dict[str, Any]], sel: Any, order: dict[str, int], tokenizer: Any, max_prompt_tokens: int,
+                  add_generation_prompt: bool, reorder: bool) -> tuple[list[Any], list[str]]:
+    """(the passages kept, the ids left out, best-ranked first) so that the pinned part of the prompt (the
+    system/developer messages and the latest user turn, the passages in it) fits ``max_prompt_tokens``: the
+    best-ranked passages that fit (the most of them, by a binary search over how many: the pinned part's tokens
+    do not shrink as passages are added)."""
+    ranked = sorted(sel.used, key=lambda p: (-sel.scores.get(p.id, 0.0), order[p.id]))  # ties: request order
+    pinned, _, latest = split_turns(msgs)
+    base = [msgs[i] for i in sorted(pinned + latest)]
+
+    def chosen(k: int) -> list[Any]:
+        return lost_in_the_middle(ranked[:k]) if reorder else ranked[:k]
+
+    def fits(k: int) -> bool:
+        m, kw = build_messages(base, chosen(k), tokenizer)
+        return count_tokens(tokenizer, m, add_generation_prompt, **kw) <= max_prompt_tokens
+
+    if fits(len(ranked)):
+        return sel.used, []
+    lo, hi = 0, len(ranked) - 1  # the most passages that fit: lo
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return chosen(lo), [p.id for p in ranked[lo:]]
 
 
 def _summarize(out: PreparedChat, msgs: list[dict[str, Any]], tok: Any, trimmed: TrimmedHistory, n: int,

@@ -101,3 +101,26 @@ def test_bad_budgets():
     with pytest.raises(InvalidParameterError) as e:
         select_passages(QUERY, DOCS, WordTokenizer(), max_context_tokens=-1)
     assert e.value.param == "max_context_tokens"
+
+
+def test_max_prompt_tokens_keeps_the_best_ranked_passages_that_fit():
+    """The passages sit in the pinned latest user turn: with max_prompt_tokens, the best-ranked ones that fit
+    beside the pinned messages stay, the rest are reported dropped (was: a 400 that did not name them)."""
+    from leanserve.context import prepare_chat
+    from leanserve.errors import ContextLengthExceededError
+
+    tok = WordTokenizer()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": QUERY}]
+    full = prepare_chat(msgs, tok, documents=DOCS, reorder_documents=False)
+    ranked = full.documents_used  # eiffel, london, louvre, capital: best first
+    assert ranked[0] == "eiffel" and full.documents_dropped == []
+    bare = len(prepare_chat(msgs, tok).prompt_token_ids)
+    header = len(prepare_chat(msgs, tok, documents=DOCS[:1]).prompt_token_ids) - bare - 16  # the header's words
+    one = bare + header + 16  # "[eiffel]" + its 15 words
+    for budget, kept in ((len(full.prompt_token_ids), 4), (one, 1), (one - 1, 0), (one + 6, 1)):
+        out = prepare_chat(msgs, tok, documents=DOCS, reorder_documents=False, max_prompt_tokens=budget)
+        assert out.documents_used == ranked[:kept] and out.documents_dropped == ranked[kept:], budget
+        assert len(out.prompt_token_ids) <= budget
+    with pytest.raises(ContextLengthExceededError, match="0 of the documents kept and 4 left out") as e:
+        prepare_chat(msgs, tok, documents=DOCS, max_prompt_tokens=bare - 1)
+    assert e.value.param == "max_prompt_tokens"

@@ -286,6 +286,19 @@ def test_12_passages_4_near_duplicates(client):
     assert b["usage"]["leanserve"]["documents_used"][0] == "d" and len(b["usage"]["leanserve"]["documents_used"]) <= 3
 
 
+def test_max_prompt_tokens_keeps_the_passages_that_fit(client):
+    q = [{"role": "system", "content": "Answer from the documents."},
+         {"role": "user", "content": "How deep is lake number 3?"}]
+    docs = [{"id": str(i), "text": f"Lake number {i} is {i * 10 + 7} meters deep. " + "Its shores are calm. " * 30}
+            for i in range(8)]  # ~1,500 tokens in all
+    r = _ok(client.post(CHAT, json={"messages": q, "documents": docs, "max_prompt_tokens": 400, "max_tokens": 1,
+                                    "cache": False}))
+    rep = r["usage"]["leanserve"]
+    assert r["usage"]["prompt_tokens"] <= 400 and rep["prompt_tokens_sent"] > 1000
+    assert rep["documents_used"][0] == "3" and 1 <= len(rep["documents_used"]) < 8
+    assert sorted(rep["documents_used"] + rep["documents_dropped"]) == [str(i) for i in range(8)]
+
+
 def test_documents_with_truncate_prompt_tokens_are_a_400(client):
     """A left cut would hide documents from the model while documents_used still listed them: refused."""
     q = [{"role": "user", "content": "Which lake is the deepest?"}]
