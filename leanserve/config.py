@@ -339,9 +339,10 @@ class ServerConfig:
     answer_cache: str = option("off", "answer cache of deterministic requests (temperature 0 or a seed), per API "
                                "key: off, exact, or semantic (exact, then a similar last user message in the "
                                "same context)", choices=ANSWER_CACHE_MODES)
-    answer_cache_bytes: int = option(64 << 20, "size bound of the answer cache", type=int, metavar="BYTES")
-    answer_cache_ttl: float = option(600.0, "seconds an answer stays in the answer cache", type=float,
-                                     metavar="SECONDS")
+    answer_cache_bytes: int | None = option(None, "with --answer-cache only: size bound of the answer cache "
+                                            "(default: 64 MiB)", type=int, metavar="BYTES")
+    answer_cache_ttl: float | None = option(None, "with --answer-cache only: seconds an answer stays in the answer "
+                                            "cache (default: 600)", type=float, metavar="SECONDS")
     answer_cache_similarity: float | None = option(
         None, "with --answer-cache semantic only: least cosine similarity of the last user messages for a hit "
         "(default: 0.9)", type=float)
@@ -381,8 +382,13 @@ class ServerConfig:
             _check_int(name, getattr(self, name), 1, optional=True)
         _check_int("history_summary_tokens", self.history_summary_tokens, 0, optional=True)
         _check_choice("answer_cache", self.answer_cache, ANSWER_CACHE_MODES)
-        _check_int("answer_cache_bytes", self.answer_cache_bytes, 1)
-        _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)
+        _check_int("answer_cache_bytes", self.answer_cache_bytes, 1, optional=True)
+        if self.answer_cache_ttl is not None:
+            _check_seconds("answer_cache_ttl", self.answer_cache_ttl, positive=True)
+        for name in ("answer_cache_bytes", "answer_cache_ttl"):
+            if getattr(self, name) is not None and self.answer_cache == "off":
+                raise InvalidParameterError(name, f"{name} applies to the answer cache only; answer_cache is 'off' "
+                                            "(set it to 'exact' or 'semantic', or drop the option)")
         sim = self.answer_cache_similarity
         if sim is not None and (isinstance(sim, bool) or not isinstance(sim, int | float) or not 0.0 < sim <= 1.0):
             raise InvalidParameterError("answer_cache_similarity", f"answer_cache_similarity must be in (0, 1], got "

@@ -47,11 +47,21 @@ def test_flags_reach_their_fields():
                                              "--answer-cache-similarity"),
                                             (["serve", "--answer-cache", "semantic", "--answer-cache-similarity",
                                               "1.5"], "--answer-cache-similarity"),
-                                            (["serve", "--history-summary-tokens", "-1"], "--history-summary-tokens")])
+                                            (["serve", "--history-summary-tokens", "-1"], "--history-summary-tokens"),
+                                            (["serve", "--answer-cache-ttl", "60"], "--answer-cache-ttl"),
+                                            (["serve", "--answer-cache-bytes", "1000000"], "--answer-cache-bytes")])
 def test_a_refused_value_is_one_line_naming_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {flag}: ") and "\n" not in err
+
+
+def test_answer_cache_ttl_and_bytes_only_with_an_answer_cache():
+    assert ServerConfig(answer_cache="exact", answer_cache_ttl=60.0, answer_cache_bytes=1000).answer_cache_ttl == 60.0
+    for name, value in (("answer_cache_ttl", 60.0), ("answer_cache_bytes", 1000)):
+        with pytest.raises(InvalidParameterError, match="applies to the answer cache only") as e:
+            ServerConfig(**{name: value})
+        assert e.value.param == name
 
 
 def test_answer_cache_similarity_only_with_the_semantic_cache():
@@ -60,3 +70,12 @@ def test_answer_cache_similarity_only_with_the_semantic_cache():
     with pytest.raises(InvalidParameterError, match="semantic answer cache only; answer_cache is 'off'") as e:
         ServerConfig(answer_cache_similarity=0.8)
     assert e.value.param == "answer_cache_similarity"
+
+
+def test_history_summary_tokens_of_the_whole_context_is_refused_at_startup(capsys):
+    """As the request field: a summary budget of the model's whole context cannot run (checked once the model's
+    context length is known, before the server serves)."""
+    assert main(["serve", "--history-summary-tokens", "100000", "--port", "0", "--max-model-len", "2048"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --history-summary-tokens: history_summary_tokens must be less than the model's context " \
+        "length (2048), got 100000"

@@ -97,6 +97,9 @@ class LLM:
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
+        if history_summary_tokens and max_prompt_tokens is None and keep_last_turns is None:
+            raise InvalidParameterError("history_summary_tokens", "history_summary_tokens summarizes the turns that "
+                                        "max_prompt_tokens or keep_last_turns drop; set one of them")
         tok = self.engine.tokenizer
 
         def prepare(conv: Sequence[Message], summary: str | None = None) -> PreparedChat:

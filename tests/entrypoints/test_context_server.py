@@ -78,6 +78,13 @@ def test_truncate_prompt_tokens_on_both_endpoints(client):
      "the system/developer messages and the latest user turn alone have 24 tokens, over max_prompt_tokens=5"),
     ({"documents": [{"id": str(i), "text": "x"} for i in range(257)]},
      "documents: at most 256 documents are allowed, got 257"),
+    ({"documents": [{"id": "a", "text": ""}]}, "documents.0.text: a document's text must not be empty or whitespace"),
+    ({"documents": [{"id": "a", "text": " \n\t "}]}, "documents.0.text: a document's text must not be empty"),
+    ({"documents": [{"id": "", "text": "x"}]}, "documents.0.id: String should have at least 1 character"),
+    ({"reorder_documents": "yes"}, "reorder_documents: Input should be a valid boolean"),
+    ({"reorder_documents": 1}, "reorder_documents: Input should be a valid boolean"),
+    ({"history_summary_tokens": 8}, "history_summary_tokens summarizes the turns that max_prompt_tokens or "
+     "keep_last_turns drop"),
 ])
 def test_bad_values_are_400s(client, body, message):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of Peru?"}]
@@ -89,15 +96,29 @@ def test_bad_values_are_400s(client, body, message):
     assert client.post(CHAT, json={"messages": msgs, "max_tokens": 1, "cache": False}).status_code == 200
 
 
+def test_null_cache_and_null_documents_are_absent(client):
+    msgs = [{"role": "user", "content": "Name one ocean."}]
+    base = {"messages": msgs, "max_tokens": 2, "temperature": 0}
+    plain = client.post(CHAT, json=base)
+    for extra in ({"cache": None}, {"documents": None}, {"cache": None, "documents": None}):
+        r = client.post(CHAT, json={**base, **extra})
+        assert r.status_code == 200 and r.headers["x-leanserve-cache"] == "hit", (extra, r.text)  # as absent
+        assert r.json()["choices"] == plain.json()["choices"]
+
+
 @pytest.mark.parametrize("body", [{"documents": [{"id": "a", "text": "Lima is the capital of Peru."}]},
                                   {"documents": []}, {"max_context_tokens": 100}, {"top_k_documents": 2},
-                                  {"max_prompt_tokens": 100}, {"keep_last_turns": 1}, {"history_summary_tokens": 8}])
+                                  {"max_prompt_tokens": 100}, {"keep_last_turns": 1}, {"history_summary_tokens": 8},
+                                  {"reorder_documents": False}, {"reorder_documents": "yes"}])
 def test_chat_only_context_fields_on_completions_are_400s_naming_the_field(client, body):
     r = client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, **body})
     field = next(iter(body))
     err = _bad(r, field)
-    assert err["message"] == f"{field}: Value error, {field} is only supported on /v1/chat/completions (it needs " \
-        "messages); on /v1/completions put passages in the prompt and use truncate_prompt_tokens"
+    hint = "cut the prompt with truncate_prompt_tokens" if field in ("max_prompt_tokens", "keep_last_turns",
+                                                                       "history_summary_tokens") \
+        else "put the passages in the prompt"
+    assert err["message"] == f"{field}: {field} is only supported on /v1/chat/completions (it needs messages); " \
+        f"on /v1/completions {hint}"
     assert client.post(COMPLETIONS, json={"prompt": "The capital of Peru is", "max_tokens": 1, "cache": False,
                                           **{field: None}}).status_code == 200  # null is the default: accepted
 

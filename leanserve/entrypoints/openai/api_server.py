@@ -416,8 +416,8 @@ def app_options(sc: ServerConfig) -> dict[str, Any]:
     return {"limits": RequestLimits(max_request_bytes=sc.max_request_bytes), "stall_timeout": sc.engine_stall_timeout,
             "context": ContextSettings(sc.max_prompt_tokens, sc.max_context_tokens, sc.top_k_documents,
                                        sc.history_summary_tokens),
-            "answer_cache_bytes": None if sc.answer_cache == "off" else sc.answer_cache_bytes,
-            "answer_cache_ttl": sc.answer_cache_ttl, "answer_cache_semantic": sc.answer_cache == "semantic",
+            "answer_cache_bytes": None if sc.answer_cache == "off" else (sc.answer_cache_bytes or 64 << 20),
+            "answer_cache_ttl": sc.answer_cache_ttl or 600.0, "answer_cache_semantic": sc.answer_cache == "semantic",
             "answer_cache_similarity": sc.answer_cache_similarity}
 
 
@@ -455,6 +455,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
         return 2
     step_lock = StepLock() if len(specs) > 1 and sc.serialize_model_steps else None
     llm_engines = [LLMEngine(s.engine) for s in specs]  # all loaded before any engine thread steps
+    limit = min(e.max_model_len for e in llm_engines)
+    if sc.history_summary_tokens and sc.history_summary_tokens >= limit:  # as the request field
+        sock.close()
+        raise InvalidParameterError("history_summary_tokens", f"history_summary_tokens must be less than the "
+                                    f"model's context length ({limit}), got {sc.history_summary_tokens}")
     engines = {name: AsyncEngine(e, max_waiting=sc.max_waiting, request_timeout=sc.request_timeout,
                                  step_lock=step_lock) for name, e in zip(names, llm_engines, strict=True)}
     app = build_app(engines, tenants=tenants, routers=routers, router_policies=policies, **app_options(sc))

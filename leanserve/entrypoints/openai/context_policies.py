@@ -109,6 +109,11 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, settings: ContextSet
             messages, latest user turn with its passages) exceeds ``max_prompt_tokens``.
     """
     documents = None if req.documents is None else [{"id": d.id, "text": d.text} for d in req.documents]
+    if req.history_summary_tokens and _pick(req.max_prompt_tokens, settings.max_prompt_tokens) is None \
+            and req.keep_last_turns is None:  # nothing would ever be dropped, so nothing summarized
+        raise to_openai_error(InvalidParameterError(
+            "history_summary_tokens", "history_summary_tokens summarizes the turns that max_prompt_tokens or "
+            "keep_last_turns drop; set one of them (or the server's --max-prompt-tokens)"))
     if documents and req.truncate_prompt_tokens is not None:  # its cut would hide documents_used's lie
         raise to_openai_error(InvalidParameterError(
             "truncate_prompt_tokens", "truncate_prompt_tokens cuts the prompt from its start, where the documents "

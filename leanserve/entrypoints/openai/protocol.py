@@ -19,6 +19,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +195,26 @@ class SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = None
     # context optimization (leanserve.context; reported in usage.leanserve)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens; -1 = the model's limit
-    cache: bool = True  # leanserve: false bypasses the server's answer cache (--answer-cache) for this request
+    cache: bool | None = True  # leanserve: false bypasses the server's answer cache (--answer-cache); null: true
+
+    @field_validator("cache")
+    @classmethod
+    def _cache_null_is_absent(cls, value: bool | None) -> bool:
+        return True if value is None else value
 
 
 class Document(OpenAIBaseModel):
     """A retrieved passage sent apart from the question (``documents``)."""
 
-    id: str
+    id: str = Field(min_length=1)
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _has_text(cls, value: str) -> str:
+        if not value.strip():
+            raise PydanticCustomError("empty_document", "a document's text must not be empty or whitespace only")
+        return value
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -228,8 +241,8 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
 
-CHAT_ONLY_FIELDS = ("documents", "max_context_tokens", "top_k_documents", "max_prompt_tokens", "keep_last_turns",
-                    "history_summary_tokens")
+PASSAGE_FIELDS = ("documents", "max_context_tokens", "top_k_documents", "reorder_documents")
+CHAT_ONLY_FIELDS = PASSAGE_FIELDS + ("max_prompt_tokens", "keep_last_turns", "history_summary_tokens")
 
 
 class CompletionRequest(SamplingFields):
@@ -247,13 +260,17 @@ class CompletionRequest(SamplingFields):
     max_prompt_tokens: int | None = None
     keep_last_turns: int | None = None
     history_summary_tokens: int | None = None
+    reorder_documents: bool | None = None
 
     @field_validator(*CHAT_ONLY_FIELDS, mode="before")
     @classmethod
     def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
-            raise ValueError(f"{info.field_name} is only supported on /v1/chat/completions (it needs messages); "
-                             "on /v1/completions put passages in the prompt and use truncate_prompt_tokens")
+            hint = ("put the passages in the prompt" if info.field_name in PASSAGE_FIELDS else
+                    "cut the prompt with truncate_prompt_tokens")
+            raise PydanticCustomError("chat_only", "{field} is only supported on /v1/chat/completions (it needs "
+                                      "messages); on /v1/completions {hint}",
+                                      {"field": info.field_name, "hint": hint})
         return value
 
 
