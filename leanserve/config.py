@@ -284,7 +284,8 @@ class ServerConfig:
     Raises:
         InvalidParameterError: on construction, for a port outside 0-65535, ``max_waiting`` < 1, an unknown
             log level, a negative limit or timeout, an empty API key, ``answer_cache_similarity`` given while
-            ``answer_cache`` is not "semantic", a ``model_router`` of an unknown policy or a ``strong_share``
+            ``answer_cache`` is not "semantic", ``answer_cache_bytes`` / ``answer_cache_ttl`` given while
+            ``answer_cache`` is "off", a ``model_router`` of an unknown policy or a ``strong_share``
             outside [0, 1] (the router definitions themselves are checked by ``leanserve.routing.build_router``).
     """
 
