@@ -162,6 +162,8 @@ def compare_documents(config: BenchConfig, corpus: Corpus, n: int, seed: int, to
                       "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(1, len(ok)),
                       "median_ttft_ms": _median_ttft_ms(run), "output_tok_s": run.metrics.output_throughput,
                       "accuracy": sum(correct) / len(correct)}
+        print(f"{name}: accuracy {rows[name]['accuracy']:.0%}, median TTFT {_fmt(rows[name]['median_ttft_ms'], 0)}"
+              " ms", flush=True)  # each variant as it ends
     print_table("knowledge-qa: passage selection (documents + top_k_documents) off vs on", rows)
     return rows
 
@@ -194,9 +196,11 @@ def compare_answer_cache(config: BenchConfig, corpus: Corpus, n: int, seed: int,
             run = run_benchmark(cfg, reqs, f"customer-service {name} rate={rate:g}", count_tokens)
             hits = sum(r.answer_cache == "hit" for r in run.results)
             lat = run.metrics.latency
-            per_rate[name].append({"rate": rate, "hit_rate": hits / len(reqs),
-                                   "p50_ttft_ms": lat.get("median_ttft_ms"), "p99_ttft_ms": lat.get("p99_ttft_ms"),
-                                   "slo_attainment": run.metrics.slo_attainment, "failed": run.metrics.failed})
+            x = {"rate": rate, "hit_rate": hits / len(reqs), "p50_ttft_ms": lat.get("median_ttft_ms"),
+                 "p99_ttft_ms": lat.get("p99_ttft_ms"), "slo_attainment": run.metrics.slo_attainment,
+                 "failed": run.metrics.failed}
+            per_rate[name].append(x)
+            print(f"{name}, rate {_fmt(rate, 2)} req/s: " + _cache_cells(x), flush=True)  # each rate as it ends
     rows: dict[str, Any] = {}
     for name, runs in per_rate.items():
         best = max_sustained_rate([(x["rate"], x["slo_attainment"]) for x in runs], goal)
@@ -213,7 +217,8 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
-def print_table(title: str, rows: dict[str, dict[str, Any]], out=sys.stdout) -> None:
+def print_table(title: str, rows: dict[str, dict[str, Any]], out=None) -> None:
+    out = out or sys.stdout
     print(f"\n{title}\n", file=out)
     print("| variant | requests | mean prompt tokens | median TTFT (ms) | output tok/s | accuracy |", file=out)
     print("|---|---|---|---|---|---|", file=out)
@@ -223,10 +228,23 @@ def print_table(title: str, rows: dict[str, dict[str, Any]], out=sys.stdout) -> 
     out.flush()
 
 
-def print_cache_table(rows: dict[str, Any], slos: dict[str, float], goal: float, out=sys.stdout) -> None:
-    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) or "none"
+def _cache_cells(x: dict[str, Any]) -> str:
+    att = "-" if x["slo_attainment"] is None else f"{x['slo_attainment']:.0%}"
+    return (f"hit rate {x['hit_rate']:.0%}, p50 TTFT {_fmt(x['p50_ttft_ms'], 0)} ms, p99 TTFT "
+            f"{_fmt(x['p99_ttft_ms'], 0)} ms, SLO attainment {att}")
+
+
+def slo_text(slos: dict[str, float]) -> str:
+    """The SLOs as the README writes them: ``TTFT <= 3 s`` (whole seconds), else ``TPOT <= 200 ms``."""
+    return ", ".join(f"{k.upper()} <= {v / 1000:g} s" if v >= 1000 and v % 1000 == 0 else f"{k.upper()} <= {v:g} ms"
+                     for k, v in slos.items()) or "none"
+
+
+def print_cache_table(rows: dict[str, Any], slos: dict[str, float], goal: float, out=None) -> None:
+    out = out or sys.stdout
+    slo = slo_text(slos)
     print(f"\ncustomer-service: answer cache off vs on (SLO {slo}, attainment goal {goal:.0%})\n", file=out)
-    print("| variant | rate (req/s) | hit rate | p50 TTFT (ms) | p99 TTFT (ms) | SLO attainment |", file=out)
+    print(f"| variant | rate (req/s) | hit rate | p50 TTFT (ms) | p99 TTFT (ms) | SLO attainment ({slo}) |", file=out)
     print("|---|---|---|---|---|---|", file=out)
     for name, r in rows.items():
         for x in r["runs"]:

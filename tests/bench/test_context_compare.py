@@ -3,6 +3,7 @@ draw; no server."""
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 
 from leanserve.bench.client import build_payload
@@ -79,8 +80,20 @@ def test_answer_cache_sweep_runs_off_and_on_back_to_back(corpus, monkeypatch):
         return SimpleNamespace(results=results, metrics=metrics)
 
     monkeypatch.setattr(context_compare, "run_benchmark", fake_run)
+    flushed = []  # what stdout held at each flush: each rate's line goes out as that rate ends (redirected too)
+
+    class Out(io.StringIO):
+        def flush(self):
+            flushed.append(self.getvalue())
+
+    out = Out()
+    monkeypatch.setattr(context_compare.sys, "stdout", out)
     rows = context_compare.compare_answer_cache(BenchConfig(base_url="http://x", slos={"ttft": 3000}), corpus,
                                                 n=10, seed=0, rates=[2.0, 4.0], goal=0.9)
+    assert flushed[0].endswith("answer cache off, rate 2.00 req/s: hit rate 0%, p50 TTFT 1 ms, p99 TTFT 2 ms, SLO "
+                               "attainment 100%\n")
+    assert len(flushed) >= 4 and "answer cache on, rate 4.00 req/s" in flushed[3] and "|" not in flushed[3]
+    assert "| SLO attainment (TTFT <= 3 s) |" in out.getvalue()
     inf = float("inf")
     assert calls == [("off", True, inf, 50, False), ("off", False, 2.0, 10, False),
                      ("on", True, inf, 50, None), ("on", False, 2.0, 10, None),
