@@ -54,6 +54,8 @@ GPU_MEMORY_RESERVED_BYTES = "leanserve:gpu_memory_reserved_bytes"
 # leanserve's answer cache: registered only with --answer-cache (so not in COUNTERS / HELP); read by `leanserve advise`
 ANSWER_CACHE_QUERIES = "leanserve:answer_cache_queries"  # counter: deterministic requests looked up (--answer-cache)
 ANSWER_CACHE_HITS = "leanserve:answer_cache_hits"  # counter (label kind): requests answered from the cache
+ANSWER_CACHE_BYTES = "leanserve:answer_cache_bytes"  # gauge: bytes the answer cache holds (its bound's unit)
+ANSWER_CACHE_ENTRIES = "leanserve:answer_cache_entries"  # gauge: answers the answer cache holds
 # model routing (leanserve/routing): registered only with --model-router / --model-routers-file
 ROUTER_LABEL = "router"  # the virtual model's name ("auto" or a named router)
 ROUTED_MODEL_LABEL = "model"  # the real model that answered

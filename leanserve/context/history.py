@@ -151,15 +151,31 @@ def trim_history(messages: Sequence[dict[str, Any]], tokenizer: ChatTokenizer, *
 
 def _stable_cut(messages: Sequence[dict[str, Any]], turns: list[list[int]], tokenizer: ChatTokenizer,
                 d_min: int, step: int) -> int:
-    """The number of oldest turns to drop, >= ``d_min``: with ``step`` > 0, the tokens dropped (each turn's own
-    count, summed) rounded up to a multiple of ``step``, so that the cut stays put while a conversation grows."""
+    """The number of oldest turns to drop, >= ``d_min``: with ``step`` > 0, the first cut at or after ``d_min``
+    where the tokens dropped (each turn's own count, summed) reach a new multiple of ``step``. Those cut points are
+    fixed by the conversation's oldest turns alone, so while it grows the cut stays put until the prompt no longer
+    fits with it (a cut that still fits is never moved)."""
     if step <= 0 or d_min == 0:
         return d_min
-    costs = [count_tokens(tokenizer, [messages[i] for i in t], add_generation_prompt=False) for t in turns]
-    dropped = sum(costs[:d_min])
-    target = -(-dropped // step) * step
+    costs = [_turn_tokens(tokenizer, [messages[i] for i in t]) for t in turns]
+    cum = [0]
+    for c in costs:
+        cum.append(cum[-1] + c)
     d = d_min
-    while d < len(turns) and dropped < target:
-        dropped += costs[d]
+    while d < len(turns) and cum[d] // step <= cum[d - 1] // step:  # no multiple of step reached by turn d - 1
         d += 1
     return d
+
+
+_STUB = {"role": "system", "content": ""}
+
+
+def _turn_tokens(tokenizer: ChatTokenizer, turn: list[dict[str, Any]]) -> int:
+    """Tokens one turn adds to a rendered conversation: rendered after an empty system message, less that message
+    alone (so a template's default system prompt, added when a conversation starts without one, is not counted);
+    the turn rendered alone when the template refuses that."""
+    try:
+        return max(0, count_tokens(tokenizer, [_STUB, *turn], add_generation_prompt=False)
+                   - count_tokens(tokenizer, [_STUB], add_generation_prompt=False))
+    except Exception:  # noqa: BLE001 - a template that refuses a leading system message
+        return count_tokens(tokenizer, turn, add_generation_prompt=False)

@@ -36,7 +36,9 @@ POLARITY_WORDS = frozenset(
     "maximum minimum max min higher lower increase decrease enable disable start stop open close closed opened "
     "first last early late earlier later add remove include exclude buy sell "
     # qualifiers: how often, how soon, how many of them
-    "once twice again immediately instantly always only every each all both".split())
+    "once twice again immediately instantly always only every each all both "
+    # conjunctions and signs: "cash and card" is not "cash or card", "minus 5" not "5"
+    "and or nor but versus vs plus minus negative positive".split())
 # Words that carry no content of a question (pronouns, articles, auxiliaries, question words, fillers): left out of
 # content_words, which a negation's scope and the added-modifier check compare.
 _FUNCTION_WORDS = frozenset(
@@ -50,7 +52,8 @@ NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "seventeen eighteen nineteen twenty".split())}
 NUMBER_WORDS.update({"thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80",
                      "ninety": "90", "hundred": "100", "thousand": "1000", "million": "1000000"})
-_TOKEN = re.compile(r"[A-Za-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+# words; numbers with their sign ("-10" is not "10"; a hyphen inside a word, "COVID-19", is not a sign)
+_TOKEN = re.compile(r"[A-Za-z]+(?:'[a-z]+)?|(?:(?<![A-Za-z0-9])[-\u2212])?\d+(?:[.,]\d+)*")
 _SENTENCE = re.compile(r"[.?!;,]+(?:\s+|$)")  # clause ends (a decimal point has no space after it)
 DEFAULT_THRESHOLD = 0.9
 
@@ -74,8 +77,8 @@ def guard_signature(text: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[
         low = tok.lower()
         if low.endswith("n't") or low in NEGATIONS:
             continue
-        if tok[0].isdigit():
-            numbers.append(tok.replace(",", ""))
+        if _is_number(tok):
+            numbers.append(_number(tok))
             continue
         if low in NUMBER_WORDS:
             numbers.append(NUMBER_WORDS[low])
@@ -145,10 +148,22 @@ def stem(word: str) -> str:
 _FILLER_STEMS = frozenset(stem(f) for f in FILLERS)
 
 
+def _is_number(tok: str) -> bool:
+    return tok[0].isdigit() or (len(tok) > 1 and tok[0] in "-\u2212")
+
+
 def _number(low: str) -> str | None:
-    if low[0].isdigit():
-        return low.replace(",", "")
+    """A number token or word as digits (a minus sign as "-", thousands separators dropped); None otherwise."""
+    if _is_number(low):
+        return "-" + low[1:].replace(",", "") if low[0] in "-\u2212" else low.replace(",", "")
     return NUMBER_WORDS.get(low)
+
+
+def guardable(text: str) -> bool:
+    """Whether the lexical guard can read ``text``: every letter in it is ASCII. The guard's word lists are
+    English and it splits words on ASCII letters, so in other scripts (Chinese, Japanese, Cyrillic, ...) it would
+    see no negation, order or entity at all: such questions get the exact cache only, never a semantic hit."""
+    return all(c.isascii() for c in text if c.isalpha())
 
 
 def strict_signature(text: str) -> tuple:

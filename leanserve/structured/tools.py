@@ -73,11 +73,16 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
 
 
 def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as the hermes format writes it: ``arguments`` parsed from its JSON text (OpenAI's form), or taken as
+    it is when it is already an object (Hugging Face chat templates' form, which ``LLM.chat`` accepts) or not
+    valid JSON."""
     fn = call["function"]
-    try:
-        args = json.loads(fn["arguments"]) if fn.get("arguments") else {}
-    except ValueError:
-        args = fn["arguments"]
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
     return {"name": fn["name"], "arguments": args}
 
 

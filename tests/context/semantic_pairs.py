@@ -132,4 +132,17 @@ NEAR_MISSES = [
     ("Is shipping to Paris free?", "Is shipping to Paris free tomorrow?"),
     ("Is shipping to Paris free?", "Is shipping to Paris free for the order I ordered yesterday?"),
     ("Is shipping to Paris free?", "Was shipping to Paris free?"),
+    # the second trial's: a number's sign, and / or, a filler that qualifies, a plural
+    ("Is it -10 degrees outside?", "Is it 10 degrees outside?"),
+    ("Is the balance -100 dollars?", "Is the balance 100 dollars?"),
+    ("Is it -5 or 5?", "Is it 5 or -5?"),
+    ("Is it 10 degrees in Oslo today?", "Is it -10 degrees in Oslo today?"),
+    ("Can I pay with cash and card?", "Can I pay with cash or card?"),
+    ("Should I choose tea or coffee?", "Should I choose tea and coffee?"),
+    # scripts the guard cannot read (semantic lookups skip them: guardable() is False): order and negation
+    ("北京到上海的火车多长时间？", "上海到北京的火车多长时间？"),
+    ("東京から大阪までの時間は？", "大阪から東京までの時間は？"),
+    ("这个药安全吗？", "这个药不安全吗？"),
+    ("この薬は安全ですか？", "この薬は安全ではないですか？"),
+    ("Это лекарство безопасно?", "Это лекарство не безопасно?"),
 ]

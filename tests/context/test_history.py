@@ -57,11 +57,12 @@ def test_system_messages_anywhere_stay():
 
 
 @pytest.mark.parametrize(("step", "kept"), [
-    (7, [0, 3, 4, 5, 6, 7]),  # 7 dropped tokens is already a multiple of 7
-    (6, [0, 7]),  # 7 rounds up to 12: turn B goes too
+    (7, [0, 3, 4, 5, 6, 7]),  # 7 dropped tokens reach 7: the end of turn A is a cut point
+    (6, [0, 3, 4, 5, 6, 7]),  # 7 reach 6: the same
+    (8, [0, 7]),  # 7 reach no multiple of 8: the next cut point is the end of turn B (17 >= 16)
     (0, [0, 3, 4, 5, 6, 7]),
 ])
-def test_stable_step_rounds_the_cut_up(step, kept):
+def test_stable_step_cuts_where_dropped_tokens_reach_a_multiple(step, kept):
     assert trim_history(CONV, TOK, max_prompt_tokens=24, stable_step_tokens=step).kept == kept
 
 
@@ -69,10 +70,33 @@ def test_stable_cut_holds_as_the_conversation_grows():
     """Budget 24, step 12: the cut stays after turn A while the conversation grows by a turn, so the kept
     prefix (system, turn B, ...) renders the same."""
     t1 = trim_history(CONV, TOK, max_prompt_tokens=24, stable_step_tokens=12)
-    assert t1.kept == [0, 7]  # 7 dropped rounds up to 12: both turns
+    assert t1.kept == [0, 7]  # 7 dropped tokens reach no multiple of 12; 17 do: both turns
     grown = CONV + [{"role": "assistant", "content": "a3"}, {"role": "user", "content": "u4"}]
     t2 = trim_history(grown, TOK, max_prompt_tokens=24, stable_step_tokens=12)
     assert t2.kept == [0, 7, 8, 9]  # the same cut: the new turn adds to the end
+
+
+def test_a_cut_that_still_fits_never_moves_as_the_conversation_grows():
+    """A conversation growing a turn at a time (turns of 3-13 words): whenever the previous request's cut would
+    still fit the budget, the next request keeps it (the prefix cache keeps hitting); it moves only when needed."""
+    import random
+
+    rng = random.Random(0)
+    conv = [{"role": "system", "content": "S s s"}]
+    prev, moves = None, 0
+    for i in range(60):
+        conv += [{"role": "user", "content": " ".join(["u"] * rng.randint(1, 6))},
+                 {"role": "assistant", "content": " ".join(["a"] * rng.randint(1, 6))}]
+        ask = conv + [{"role": "user", "content": "q q"}]
+        t = trim_history(ask, TOK, max_prompt_tokens=60, stable_step_tokens=15)
+        if prev is not None:
+            still = [0, *range(prev, len(ask))]  # the previous cut applied to this request
+            if count_tokens(TOK, [ask[j] for j in still]) <= 60:
+                assert t.kept == still, f"turn {i}: the cut moved although the previous one fits"
+            else:
+                moves += 1
+        prev = t.kept[1] if len(t.kept) > 1 else None
+    assert moves >= 5  # the conversation outgrew its cut several times, and each time the cut moved on
 
 
 def test_keep_last_turns():

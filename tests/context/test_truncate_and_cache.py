@@ -173,6 +173,19 @@ def test_llm_chat_takes_an_assistant_message_with_content_none_and_tool_calls(ll
     assert llm.last_chat_context[0].dropped_messages == [1, 2, 3, 4]
 
 
+def test_llm_chat_takes_tool_arguments_as_an_object_too(llm):
+    """Hugging Face's form (``arguments`` a dict) renders as OpenAI's (the JSON text of the same object)."""
+    import copy
+    import json
+
+    as_dict = copy.deepcopy(TOOL_CONV)
+    for m in as_dict:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    params = SamplingParams(max_tokens=1, temperature=0)
+    assert llm.chat(as_dict, params)[0].prompt_token_ids == llm.chat(TOOL_CONV, params)[0].prompt_token_ids
+
+
 def test_trim_history_takes_an_assistant_message_with_content_none(llm):
     from leanserve.context import count_tokens, trim_history
 

@@ -350,6 +350,9 @@ def test_repeated_deterministic_request_is_served_from_the_cache(server, client)
     assert m1["leanserve:answer_cache_queries_total"] - m0.get("leanserve:answer_cache_queries_total", 0) == 2
     hits = f'leanserve:answer_cache_hits_total{{kind="exact",model_name="{server.model}"}}'
     assert m1[hits] - m0.get(hits, 0) == 1
+    # one answer more in the cache, and its bytes (within the bound the server was started with)
+    assert m1["leanserve:answer_cache_entries"] - m0["leanserve:answer_cache_entries"] == 1
+    assert m1["leanserve:answer_cache_bytes"] > m0["leanserve:answer_cache_bytes"]
     # the engine never saw the hit
     assert m1["vllm:request_success_total"] - m0["vllm:request_success_total"] == 1
 

@@ -38,13 +38,19 @@ from typing import Any
 
 from leanserve import metric_names as names
 from leanserve.context.answer_cache import AnswerCache, cache_key, is_deterministic
-from leanserve.context.semantic import DEFAULT_THRESHOLD, SemanticIndex, WordLlamaEmbedder, query_signature
+from leanserve.context.semantic import (
+    DEFAULT_THRESHOLD,
+    SemanticIndex,
+    WordLlamaEmbedder,
+    guardable,
+    query_signature,
+)
 from leanserve.engine.admission import AdmittedRequest
 from leanserve.entrypoints.openai.tenants import TENANT_KEY
 from leanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 CACHE_HEADER = "x-leanserve-cache"
 
@@ -61,7 +67,9 @@ class ServingAnswerCache:
         # an answer's semantic index entry is charged to its bytes and leaves with it (LRU, TTL)
         self.cache = AnswerCache(max_bytes, ttl, on_remove=self.index.discard if self.index is not None else None)
         self._pending: dict[bytes, asyncio.Future] = {}  # keys being answered now -> their record (or None)
-        self.queries, self.hits = _counters(registry)
+        self.queries, self.hits, size, entries = _counters(registry)
+        size.labels(model_name).set_function(lambda: self.cache.nbytes)
+        entries.labels(model_name).set_function(lambda: len(self.cache))
         self.queries.labels(model_name)
         for k in ("exact", "semantic"):
             self.hits.labels(model_name, k)
@@ -92,7 +100,7 @@ class ServingAnswerCache:
                        context: Any) -> SemanticQuery | None:
         """The semantic cache's view of a request: its question embedded, and the key of everything else
         (``context``: the messages but the question, the policies' fields; plus tenant, model, parameters)."""
-        if self.embedder is None:
+        if self.embedder is None or not guardable(query):  # a script the guard cannot read: exact cache only
             return None
         tenant = raw_request.scope.get(TENANT_KEY)
         context_key = cache_key(getattr(tenant, "name", None), self.model_name, endpoint, context,
@@ -154,18 +162,23 @@ class SemanticQuery:
     signature: Any  # query_signature of the question
 
 
-_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]] = weakref.WeakKeyDictionary()
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter, Gauge, Gauge]] = (
+    weakref.WeakKeyDictionary())
 
 
-def _counters(registry: CollectorRegistry | None) -> tuple[Counter, Counter]:
-    """The (queries, hits) counters in ``registry``, registered once per registry (the answer caches of several
-    models in one server share them, each with its ``model_name`` series)."""
+def _counters(registry: CollectorRegistry | None) -> tuple[Counter, Counter, Gauge, Gauge]:
+    """The (queries, hits) counters and the (bytes, entries) gauges in ``registry``, registered once per registry
+    (the answer caches of several models in one server share them, each with its ``model_name`` series)."""
     if registry is not None and registry in _COUNTERS:
         return _COUNTERS[registry]
     counters = (Counter(names.ANSWER_CACHE_QUERIES, "Deterministic requests looked up in the answer cache.",
                         [names.MODEL_NAME_LABEL], registry=registry),
                 Counter(names.ANSWER_CACHE_HITS, "Requests answered from the answer cache, by kind.",
-                        [names.MODEL_NAME_LABEL, names.CACHE_KIND_LABEL], registry=registry))
+                        [names.MODEL_NAME_LABEL, names.CACHE_KIND_LABEL], registry=registry),
+                Gauge(names.ANSWER_CACHE_BYTES, "Bytes the answer cache holds (answers and their semantic index "
+                      "entries; bounded by --answer-cache-bytes).", [names.MODEL_NAME_LABEL], registry=registry),
+                Gauge(names.ANSWER_CACHE_ENTRIES, "Answers the answer cache holds.", [names.MODEL_NAME_LABEL],
+                      registry=registry))
     if registry is not None:
         _COUNTERS[registry] = counters
     return counters
