@@ -221,9 +221,10 @@ using Vec = Isa::Vec;
 constexpr int64_t W = Isa::kWidth;
 
 // The online-softmax step of one row for one block: s [BS] holds the row's raw dot products; on return s holds
-// p = exp(scale * dot - new_m) (0 for the keys at index >= valid), m and l are updated, and the accumulator's
-// rescale factor is returned. The same instructions for every row.
-inline float softmax_step(float* s, int64_t BS, int64_t valid, float scale, float& m, float& l) {
+// p = exp(scale * dot - new_m) (0 for the keys at index >= valid), m and the row's running sum (lv: W lanes, summed
+// once at the end) are updated, and the accumulator's rescale factor is returned (exactly 1 when the maximum did
+// not change). The same instructions for every row.
+inline float softmax_step(float* s, int64_t BS, int64_t valid, float scale, float& m, float* lv) {
   const Vec sc = Isa::set1(scale);
   Vec mx = Isa::set1(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < BS; t += W) {
@@ -239,10 +240,13 @@ inline float softmax_step(float* s, int64_t BS, int64_t valid, float scale, floa
     Isa::store(s + t, e);
     sum = Isa::add(sum, e);
   }
-  float cbuf[W];
-  Isa::store(cbuf, Isa::exp_nonpos(Isa::set1(m - new_m)));  // 0 for the first block (m = -inf)
-  const float c = cbuf[0];
-  l = l * c + Isa::hsum(sum);
+  float c = 1.f;
+  if (new_m != m) {
+    float cbuf[W];
+    Isa::store(cbuf, Isa::exp_nonpos(Isa::set1(m - new_m)));  // 0 for the first block (m = -inf)
+    c = cbuf[0];
+  }
+  Isa::store(lv, Isa::fmadd(Isa::load(lv), Isa::set1(c), sum));
   m = new_m;
   return c;
 }
@@ -256,7 +260,7 @@ struct F32Worker {
   std::vector<float> qs, kt, vb, s, acc, m, l, c;
   explicit F32Worker(const Args& args)
       : a(args), qs(kTileQ * args.G * kD), kt(kD * args.BS), vb(args.BS * kD), s(kTileQ * args.G * args.BS),
-        acc(kTileQ * args.G * kD), m(kTileQ * args.G), l(kTileQ * args.G), c(kTileQ * args.G) {}
+        acc(kTileQ * args.G * kD), m(kTileQ * args.G), l(kTileQ * args.G * W), c(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
     const int64_t G = a.G, BS = a.BS, row = a.KVH * kD, rows = nq * G;
@@ -267,7 +271,7 @@ struct F32Worker {
     }
     std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
     std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.begin() + rows, 0.f);
+    std::fill(l.begin(), l.begin() + rows * W, 0.f);
     const int64_t last = a.ctx + i0 + nq - 1;
     for (int64_t j = 0; j * BS <= last; ++j) {
       const int64_t have = std::min(BS, total - j * BS);  // keys of the chunk's sequence in this block
@@ -295,7 +299,7 @@ struct F32Worker {
       for (int64_t r0 = first / kRows * kRows; r0 < padded; r0 += kRows) scores(r0);
       for (int64_t r = first; r < rows; ++r) {
         const int64_t valid = std::min(BS, a.ctx + i0 + r / G - j * BS + 1);
-        c[r] = softmax_step(&s[r * BS], BS, valid, a.scale, m[r], l[r]);
+        c[r] = softmax_step(&s[r * BS], BS, valid, a.scale, m[r], &l[r * W]);
       }
       int64_t r = first;
       for (; r + kPV <= rows; r += kPV) pv<kPV>(r);
@@ -303,7 +307,7 @@ struct F32Worker {
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* o = a.out + ((i0 + r / G) * a.H + kh * G + r % G) * kD;
-      const float inv = 1.f / l[r];
+      const float inv = 1.f / Isa::hsum(Isa::load(&l[r * W]));
       for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
     }
   }
@@ -371,7 +375,7 @@ struct Bf16Worker {
   explicit Bf16Worker(const Args& args)
       : a(args), qs(kTileQ * args.G * kD), pb(kTileQ * args.G * args.BS), kp(kD / 2 * args.BS),
         vp(args.BS / 2 * kD), s(kTileQ * args.G * args.BS), acc(kTileQ * args.G * kD), m(kTileQ * args.G),
-        l(kTileQ * args.G), c(kTileQ * args.G) {}
+        l(kTileQ * args.G * W), c(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
     const int64_t G = a.G, BS = a.BS, row = a.KVH * kD, rows = nq * G;
@@ -384,7 +388,7 @@ struct Bf16Worker {
       }
     std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
     std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.begin() + rows, 0.f);
+    std::fill(l.begin(), l.begin() + rows * W, 0.f);
     const int64_t last = a.ctx + i0 + nq - 1;
     alignas(64) uint32_t krow[kD / 2];
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -423,7 +427,7 @@ struct Bf16Worker {
       for (int64_t r0 = first / kRows * kRows; r0 < padded; r0 += kRows) scores(r0);
       for (int64_t r = first; r < rows; ++r) {
         const int64_t valid = std::min(BS, a.ctx + i0 + r / G - j * BS + 1);
-        c[r] = softmax_step(&s[r * BS], BS, valid, a.scale, m[r], l[r]);
+        c[r] = softmax_step(&s[r * BS], BS, valid, a.scale, m[r], &l[r * W]);
         for (int64_t t = 0; t < BS; t += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pb[r * BS + t]), bf16x16(&s[r * BS + t]));
       }
@@ -433,7 +437,7 @@ struct Bf16Worker {
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* o = a.out + ((i0 + r / G) * a.H + kh * G + r % G) * kD;
-      const float inv = 1.f / l[r];
+      const float inv = 1.f / Isa::hsum(Isa::load(&l[r * W]));
       for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
     }
   }
