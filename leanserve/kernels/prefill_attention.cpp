@@ -4,10 +4,10 @@
 // Algorithm: the forward pass of flash attention (Dao et al., NeurIPS 2022, "FlashAttention: Fast and
 // Memory-Efficient Exact Attention with IO-Awareness", algorithm 1) with the online softmax (Milakov & Gimelshein
 // 2018) in fp32. A task is one (KV head, tile of kTileQ query positions); its rows are the tile's queries of the
-// G = H / KVH query heads that share the KV head (GQA), so every key block is read and packed once per task and
-// reused by all kTileQ * G rows. Per cache block j of keys (block_size keys, one block at a time, in order):
-// scores S = Q K_j^T (fp32 accumulation), mask, running max m, p = exp(S - m), rescale of the running sum l and of
-// the output accumulator, accumulator += P V_j; at the end out = acc / l. Tasks are taken heaviest first (the last
+// G = H / KVH query heads that share the KV head (GQA), so every key block is reused by all kTileQ * G rows. Per
+// cache block j of keys (block_size keys, one block at a time, in order): scores S = Q K_j^T (fp32
+// accumulation), mask, running max m, p = exp(S - m), rescale of the running sum l and of the output accumulator,
+// accumulator += P V_j; at the end out = acc / l. Tasks are taken heaviest first (the last
 // query tiles see the most keys) from a shared counter by the SpinPool's threads, which balances the causal shape.
 //
 // Precision paths:
@@ -21,6 +21,10 @@
 // block wholly beyond a row's position is skipped for that row; in the row's last block the keys beyond its
 // position are masked to -inf (p = 0 exactly). Cache slots past the chunk's last token are zeroed in the packed
 // copy, so P V never reads stale cache contents (0 * finite = 0 exactly).
+//
+// Memory: the blocks the chunk reads are converted once per call into a packed copy per KV head (contiguous, in
+// the dot products' operand layout: fp32, or bf16 pairs), shared by all tasks of that head, so the scattered cache
+// blocks are read once and each task streams its head's copy (512 KB per KV head at 2,048 keys in bf16).
 //
 // q:          [n, H, D] float32, contiguous (RoPE applied); row i is at position context_len + i
 // k/v_cache:  [num_blocks, block_size, KVH, D] float32, contiguous (this chunk's K/V already written)
@@ -59,15 +63,43 @@ struct Args {
   float scale;
 };
 
-// Runs task(kv_head, first query row, query rows) for every (KV head, tile), heaviest tiles first, on the pool.
+// One call's packed K and V: block j of KV head kh at k + (kh * nblk + j) * ks (and v + ... * vs), in the worker's
+// layout, written once per call by Worker::pack and read by every task of that KV head.
+template <typename T>
+struct Packed {
+  const T* k;
+  const T* v;
+  int64_t nblk, ks, vs;
+  const T* kblock(int64_t kh, int64_t j) const { return k + (kh * nblk + j) * ks; }
+  const T* vblock(int64_t kh, int64_t j) const { return v + (kh * nblk + j) * vs; }
+};
+
+// Packs the blocks the chunk reads (in parallel over (KV head, block)), then runs task(kv_head, first query row,
+// query rows) for every (KV head, tile), heaviest tiles first, on the pool. The packed copy lives in buffers of the
+// calling thread, kept between calls (grown to the longest sequence seen: 2 * its tokens * KVH * D elements).
 template <class Worker>
 void run_tasks(const Args& a) {
+  using T = typename Worker::T;
+  const int64_t nblk = (a.ctx + a.n + a.BS - 1) / a.BS;
+  const int64_t ks = Worker::k_size(a), vs = Worker::v_size(a);
+  static thread_local std::vector<T> kbuf, vbuf;
+  if (static_cast<int64_t>(kbuf.size()) < nblk * a.KVH * ks) kbuf.resize(nblk * a.KVH * ks);
+  if (static_cast<int64_t>(vbuf.size()) < nblk * a.KVH * vs) vbuf.resize(nblk * a.KVH * vs);
+  T* kb = kbuf.data();
+  T* vb = vbuf.data();
+  if (ks > 0) {
+    leanserve::SpinPool::parallel_for(nblk * a.KVH, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t idx = begin; idx < end; ++idx)
+        Worker::pack(a, idx % nblk, idx / nblk, kb + idx * ks, vb + idx * vs);
+    });
+  }
+  const Packed<T> packed{kb, vb, nblk, ks, vs};
   const int64_t tiles = (a.n + kTileQ - 1) / kTileQ;
   const int64_t tasks = tiles * a.KVH;
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   leanserve::SpinPool::parallel_for(threads, 1, [&](int64_t, int64_t) {
-    Worker w(a);
+    Worker w(a, packed);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t tile = tiles - 1 - t / a.KVH, kh = t % a.KVH;
       const int64_t i0 = tile * kTileQ;
@@ -77,10 +109,14 @@ void run_tasks(const Args& a) {
 }
 
 // ------------------------------------------------------------------------------------------------ scalar loops
-struct ScalarWorker {
+struct ScalarWorker {  // reads the cache directly (no packed copy)
+  using T = float;
+  static int64_t k_size(const Args&) { return 0; }
+  static int64_t v_size(const Args&) { return 0; }
+  static void pack(const Args&, int64_t, int64_t, float*, float*) {}
   const Args& a;
   std::vector<float> s, acc, m, l;
-  explicit ScalarWorker(const Args& args)
+  ScalarWorker(const Args& args, const Packed<float>&)
       : a(args), s(args.BS), acc(kTileQ * args.G * args.D), m(kTileQ * args.G), l(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
@@ -252,19 +288,39 @@ inline float softmax_step(float* s, int64_t BS, int64_t valid, float scale, floa
 }
 
 // ------------------------------------------------------------------------------------------------ fp32 path
-// Per task: the tile's queries [rows, D]; per block: K^T [D, BS] and V [BS, D] copies (zero past the chunk's end).
+// Packed per block: K^T [D, BS] and V [BS, D] fp32 (zero past the chunk's end); per task: the tile's queries.
 template <int64_t kD>
 struct F32Worker {
+  using T = float;
   static constexpr int64_t kPV = std::max<int64_t>(1, 16 / (kD / W));  // rows per P V group (16 accumulators)
+  static int64_t k_size(const Args& a) { return kD * a.BS; }
+  static int64_t v_size(const Args& a) { return kD * a.BS; }
+  static void pack(const Args& a, int64_t j, int64_t kh, float* kt, float* vb) {
+    const int64_t BS = a.BS, row = a.KVH * kD, have = std::min(BS, a.ctx + a.n - j * BS);
+    const float* kb = a.kc + (a.bt[j] * BS * a.KVH + kh) * kD;
+    const float* vsrc = a.vc + (a.bt[j] * BS * a.KVH + kh) * kD;
+    for (int64_t t = 0; t < BS; ++t) {
+      if (t < have) {
+        for (int64_t d = 0; d < kD; ++d) kt[d * BS + t] = kb[t * row + d];
+        std::memcpy(&vb[t * kD], vsrc + t * row, kD * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < kD; ++d) kt[d * BS + t] = 0.f;
+        std::fill(&vb[t * kD], &vb[t * kD] + kD, 0.f);
+      }
+    }
+  }
   const Args& a;
-  std::vector<float> qs, kt, vb, s, acc, m, l, c;
-  explicit F32Worker(const Args& args)
-      : a(args), qs(kTileQ * args.G * kD), kt(kD * args.BS), vb(args.BS * kD), s(kTileQ * args.G * args.BS),
+  const Packed<float>& packed;
+  const float* kt = nullptr;
+  const float* vb = nullptr;
+  std::vector<float> qs, s, acc, m, l, c;
+  F32Worker(const Args& args, const Packed<float>& pk)
+      : a(args), packed(pk), qs(kTileQ * args.G * kD), s(kTileQ * args.G * args.BS),
         acc(kTileQ * args.G * kD), m(kTileQ * args.G), l(kTileQ * args.G * W), c(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
-    const int64_t G = a.G, BS = a.BS, row = a.KVH * kD, rows = nq * G;
-    const int64_t padded = (rows + kRows - 1) / kRows * kRows, total = a.ctx + a.n;
+    const int64_t G = a.G, BS = a.BS, rows = nq * G;
+    const int64_t padded = (rows + kRows - 1) / kRows * kRows;
     for (int64_t r = 0; r < padded; ++r) {
       if (r < rows) std::memcpy(&qs[r * kD], a.q + ((i0 + r / G) * a.H + kh * G + r % G) * kD, kD * sizeof(float));
       else std::fill(&qs[r * kD], &qs[r * kD] + kD, 0.f);
@@ -274,26 +330,8 @@ struct F32Worker {
     std::fill(l.begin(), l.begin() + rows * W, 0.f);
     const int64_t last = a.ctx + i0 + nq - 1;
     for (int64_t j = 0; j * BS <= last; ++j) {
-      const int64_t have = std::min(BS, total - j * BS);  // keys of the chunk's sequence in this block
-      const float* kb = a.kc + (a.bt[j] * BS * a.KVH + kh) * kD;
-      const float* vsrc = a.vc + (a.bt[j] * BS * a.KVH + kh) * kD;
-      if ((j + 1) * BS <= last) {  // the next block is scattered: fetch it early
-        const int64_t nb = a.bt[j + 1] * BS * a.KVH + kh;
-        for (int64_t t = 0; t < BS; ++t)
-          for (int64_t d = 0; d < kD; d += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(a.kc + nb * kD + t * row + d), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(a.vc + nb * kD + t * row + d), _MM_HINT_T0);
-          }
-      }
-      for (int64_t t = 0; t < BS; ++t) {
-        if (t < have) {
-          for (int64_t d = 0; d < kD; ++d) kt[d * BS + t] = kb[t * row + d];
-          std::memcpy(&vb[t * kD], vsrc + t * row, kD * sizeof(float));
-        } else {
-          for (int64_t d = 0; d < kD; ++d) kt[d * BS + t] = 0.f;
-          std::fill(&vb[t * kD], &vb[t * kD] + kD, 0.f);
-        }
-      }
+      kt = packed.kblock(kh, j);
+      vb = packed.vblock(kh, j);
       // rows r >= first see this block (query position ctx + i0 + r / G >= j * BS)
       const int64_t first = std::max<int64_t>(0, j * BS - a.ctx - i0) * G;
       for (int64_t r0 = first / kRows * kRows; r0 < padded; r0 += kRows) scores(r0);
@@ -367,19 +405,50 @@ inline __m256i bf16x16(const float* x) {
 
 template <int64_t kD>
 struct Bf16Worker {
+  using T = uint32_t;
   static constexpr int64_t kPV = std::max<int64_t>(1, 16 / (kD / 16));
+  static int64_t k_size(const Args& a) { return kD / 2 * a.BS; }
+  static int64_t v_size(const Args& a) { return kD / 2 * a.BS; }
+  static void pack(const Args& a, int64_t j, int64_t kh, uint32_t* kp, uint32_t* vp) {
+    const int64_t BS = a.BS, row = a.KVH * kD, have = std::min(BS, a.ctx + a.n - j * BS);
+    const float* kb = a.kc + (a.bt[j] * BS * a.KVH + kh) * kD;
+    const float* vsrc = a.vc + (a.bt[j] * BS * a.KVH + kh) * kD;
+    alignas(64) uint32_t krow[kD / 2];
+    for (int64_t t = 0; t < BS; ++t) {  // K: key t's bf16 row is its pairs; transpose to [pair, key]
+      if (t < have) {
+        for (int64_t d = 0; d < kD; d += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(krow) + d),
+                              bf16x16(kb + t * row + d));
+        for (int64_t p = 0; p < kD / 2; ++p) kp[p * BS + t] = krow[p];
+      } else {
+        for (int64_t p = 0; p < kD / 2; ++p) kp[p * BS + t] = 0u;
+      }
+    }
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t u = 0; u < BS / 2; ++u)  // V: keys 2u, 2u + 1 interleaved per dimension
+      for (int64_t d = 0; d < kD; d += 16) {
+        const __m512 v0 = 2 * u < have ? _mm512_loadu_ps(vsrc + 2 * u * row + d) : _mm512_setzero_ps();
+        const __m512 v1 = 2 * u + 1 < have ? _mm512_loadu_ps(vsrc + (2 * u + 1) * row + d) : _mm512_setzero_ps();
+        const __m512bh both = _mm512_cvtne2ps_pbh(v1, v0);  // [bf16(v0) x 16, bf16(v1) x 16]
+        const __m512i x = _mm512_permutexvar_epi16(inter, reinterpret_cast<const __m512i&>(both));
+        _mm512_storeu_si512(&vp[u * kD + d], x);
+      }
+  }
   const Args& a;
+  const Packed<uint32_t>& packed;
+  const uint32_t* kp = nullptr;
+  const uint32_t* vp = nullptr;
   std::vector<uint16_t> qs, pb;
-  std::vector<uint32_t> kp, vp;
   std::vector<float> s, acc, m, l, c;
-  explicit Bf16Worker(const Args& args)
-      : a(args), qs(kTileQ * args.G * kD), pb(kTileQ * args.G * args.BS), kp(kD / 2 * args.BS),
-        vp(args.BS / 2 * kD), s(kTileQ * args.G * args.BS), acc(kTileQ * args.G * kD), m(kTileQ * args.G),
-        l(kTileQ * args.G * W), c(kTileQ * args.G) {}
+  Bf16Worker(const Args& args, const Packed<uint32_t>& pk)
+      : a(args), packed(pk), qs(kTileQ * args.G * kD), pb(kTileQ * args.G * args.BS),
+        s(kTileQ * args.G * args.BS), acc(kTileQ * args.G * kD), m(kTileQ * args.G), l(kTileQ * args.G * W),
+        c(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
-    const int64_t G = a.G, BS = a.BS, row = a.KVH * kD, rows = nq * G;
-    const int64_t padded = (rows + kRows - 1) / kRows * kRows, total = a.ctx + a.n;
+    const int64_t G = a.G, BS = a.BS, rows = nq * G;
+    const int64_t padded = (rows + kRows - 1) / kRows * kRows;
     for (int64_t r = 0; r < padded; ++r)
       for (int64_t d = 0; d < kD; d += 16) {
         __m256i h = _mm256_setzero_si256();
@@ -390,39 +459,9 @@ struct Bf16Worker {
     std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
     std::fill(l.begin(), l.begin() + rows * W, 0.f);
     const int64_t last = a.ctx + i0 + nq - 1;
-    alignas(64) uint32_t krow[kD / 2];
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t j = 0; j * BS <= last; ++j) {
-      const int64_t have = std::min(BS, total - j * BS);
-      const float* kb = a.kc + (a.bt[j] * BS * a.KVH + kh) * kD;
-      const float* vsrc = a.vc + (a.bt[j] * BS * a.KVH + kh) * kD;
-      if ((j + 1) * BS <= last) {
-        const int64_t nb = a.bt[j + 1] * BS * a.KVH + kh;
-        for (int64_t t = 0; t < BS; ++t)
-          for (int64_t d = 0; d < kD; d += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(a.kc + nb * kD + t * row + d), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(a.vc + nb * kD + t * row + d), _MM_HINT_T0);
-          }
-      }
-      for (int64_t t = 0; t < BS; ++t) {  // K: key t's bf16 row is its pairs; transpose to [pair, key]
-        if (t < have) {
-          for (int64_t d = 0; d < kD; d += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(krow) + d),
-                                bf16x16(kb + t * row + d));
-          for (int64_t p = 0; p < kD / 2; ++p) kp[p * BS + t] = krow[p];
-        } else {
-          for (int64_t p = 0; p < kD / 2; ++p) kp[p * BS + t] = 0u;
-        }
-      }
-      for (int64_t u = 0; u < BS / 2; ++u)  // V: keys 2u, 2u + 1 interleaved per dimension
-        for (int64_t d = 0; d < kD; d += 16) {
-          const __m512 v0 = 2 * u < have ? _mm512_loadu_ps(vsrc + 2 * u * row + d) : _mm512_setzero_ps();
-          const __m512 v1 = 2 * u + 1 < have ? _mm512_loadu_ps(vsrc + (2 * u + 1) * row + d) : _mm512_setzero_ps();
-          const __m512bh both = _mm512_cvtne2ps_pbh(v1, v0);  // [bf16(v0) x 16, bf16(v1) x 16]
-          const __m512i x = _mm512_permutexvar_epi16(inter, reinterpret_cast<const __m512i&>(both));
-          _mm512_storeu_si512(&vp[u * kD + d], x);
-        }
+      kp = packed.kblock(kh, j);
+      vp = packed.vblock(kh, j);
       const int64_t first = std::max<int64_t>(0, j * BS - a.ctx - i0) * G;
       for (int64_t r0 = first / kRows * kRows; r0 < padded; r0 += kRows) scores(r0);
       for (int64_t r = first; r < rows; ++r) {
