@@ -7,9 +7,14 @@ dtype asked for.
 Prefill (``--prefill-keys``): one layer's ``paged_attention`` of a 256-token chunk whose last token is key number
 256, 1,024 or 2,048 (the model's 9 query heads on 3 KV heads, head size 64, random fp32 cache in scattered blocks):
 torch's SDPA path (gather + mask, as without the kernel) beside the native kernel's fp32 and bf16 paths
-(leanserve/kernels/prefill_attention.cpp), fastest of ``--repeats`` after a warm-up. Usage:
+(leanserve/kernels/prefill_attention.cpp), fastest of ``--repeats`` after a warm-up.
+
+Engine prefill (``--engine-prefill 512,2048``): cold prefill tokens/s of a prompt of each length on the default
+engine (native Q4_1, ``--prefill-gemm auto``), the prefill kernel on and off (``runner.prefill_kernel`` set to
+None: the SDPA path) in alternation in one process, so a shared machine's load hits both alike; medians of
+``--engine-repeats``. Usage:
     .venv/bin/python -m benchmarks.attention [--batches 1,8] [--contexts 128,1024,4096] [--kv-cache-dtypes auto,float16]
-        [--prefill-keys 256,1024,2048] [--prefill-only]
+        [--prefill-keys 256,1024,2048] [--prefill-only] [--engine-prefill 512,2048 [--engine-repeats 5]]
 Writes benchmarks/results/attention.json and prints tables.
 """
 
@@ -123,6 +128,30 @@ def measure_prefill(keys: int, repeats: int, chunk: int = 256) -> dict:
     return row
 
 
+def engine_prefill(lengths: list[int], repeats: int) -> dict:
+    """Median cold prefill tokens/s per prompt length, the native prefill attention on and off, alternating."""
+    from leanserve import LLM
+
+    from benchmarks.common import corpus_text
+    from benchmarks.quant import prefill_tok_s
+
+    llm = LLM(kv_cache_memory=256 << 20)
+    kernel = llm.engine.runner.prefill_kernel
+    ids = llm.engine.tokenizer.encode(corpus_text(200_000), add_special_tokens=False)
+    raw: dict = {m: {"kernel": [], "sdpa": []} for m in lengths}
+    for _ in range(repeats + 1):  # the first round warms up
+        for m in lengths:
+            for name, k in (("kernel", kernel), ("sdpa", None)):
+                llm.engine.runner.prefill_kernel = k
+                raw[m][name].append(prefill_tok_s(llm, ids[:m]))
+    llm.engine.runner.prefill_kernel = kernel
+    out = {"prefill_gemm": llm.engine.prefill_gemm, "kernel_bf16": bool(kernel and kernel.bf16), "raw": raw}
+    for m in lengths:
+        a, b = statistics.median(raw[m]["kernel"][1:]), statistics.median(raw[m]["sdpa"][1:])
+        out[str(m)] = {"kernel_tok_s": a, "sdpa_tok_s": b, "speedup": a / b}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8")
@@ -131,6 +160,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto (fp32 here), float16, int8")
     ap.add_argument("--prefill-keys", default="256,1024,2048", help="prefill section: keys at the chunk's end")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode section")
+    ap.add_argument("--engine-prefill", default="", help="engine prefill section: prompt lengths (e.g. 512,2048)")
+    ap.add_argument("--engine-repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
     prefill = [measure_prefill(int(n), 3 * args.repeats) for n in args.prefill_keys.split(",") if n]
@@ -141,8 +172,18 @@ def main() -> None:
         print(f"{r['keys']:>6}{r['sdpa_ms']:>9.2f}{r.get('fp32_ms', float('nan')):>9.2f}"
               f"{r.get('fp32_speedup', float('nan')):>7.2f}{r.get('bf16_ms', float('nan')):>9.2f}"
               f"{r.get('bf16_speedup', float('nan')):>7.2f}")
+    engine = {}
+    if args.engine_prefill:
+        lengths = [int(v) for v in args.engine_prefill.split(",")]
+        engine = engine_prefill(lengths, args.engine_repeats)
+        print(f"\nEngine prefill tok/s (native Q4_1, --prefill-gemm {engine['prefill_gemm']}, "
+              f"{torch.get_num_threads()} threads), median of {args.engine_repeats}, alternating")
+        print(f"{'tokens':>7}{'kernel':>9}{'sdpa':>9}{'x':>7}")
+        for m in lengths:
+            r = engine[str(m)]
+            print(f"{m:>7}{r['kernel_tok_s']:>9.0f}{r['sdpa_tok_s']:>9.0f}{r['speedup']:>7.2f}")
     if args.prefill_only:
-        write_json(args.out, {"prefill": prefill})
+        write_json(args.out, {"prefill": prefill, "engine_prefill": engine})
         return
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights)
@@ -154,7 +195,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['kv_cache_dtype']:>8}{r['kernel']:>8}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.1f}"
               f"{r['attention_ms']:>14.1f}{100 * r['attention_share']:>7.0f}%")
-    write_json(args.out, {"rows": rows, "prefill": prefill})
+    write_json(args.out, {"rows": rows, "prefill": prefill, "engine_prefill": engine})
 
 
 if __name__ == "__main__":
