@@ -35,7 +35,8 @@ KVCache = torch.Tensor | Int8KVCache  # one layer's K or V: [num_blocks, block_s
 
 # Prefill chunks of at least this many tokens give every row bitwise the same result whatever the chunk's length
 # and context (a 1-token piece would run as a decode, and NumPy's BLAS rounds 1-2-row products differently; the
-# attention's query padding, _padded_queries, does the rest): the engine keeps prefix-cache tails and chunked-prefill
+# SDPA path's query padding, _padded_queries, does the rest; the native prefill kernel needs no padding: each of
+# its rows is computed alike whatever the chunk): the engine keeps prefix-cache tails and chunked-prefill
 # pieces at least this long, so a prompt's output does not depend on what was cached or how it was chunked
 # (tests/engine/test_prefix_cache_exact.py).
 PREFILL_MIN_ROWS = 8
