@@ -17,8 +17,9 @@ prefill chunks, one contiguous run of tokens per sequence.
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
   prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
 * With the native prefill kernel (``leanserve/kernels/prefill_attention.cpp``, an fp32 cache on CPU; see
-  :mod:`leanserve.model.prefill_attention`) each chunk is one call reading its sequence's blocks in place, with no
-  gather, mask or query padding.
+  :mod:`leanserve.model.prefill_attention`) each chunk is one call that reads its sequence's blocks through the
+  block table (converted once per call into the kernel's packed operand copy), with no torch gather, mask or query
+  padding.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The native paged prefill attention kernel (``leanserve/kernels/prefill_attention.cpp``) as the runner uses it.
 
-A prefill chunk's causal attention read in place from an fp32 paged KV cache (flash attention over one cache block
-of keys at a time, no gather, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16 mode (products of
+A prefill chunk's causal attention over an fp32 paged KV cache, read through the sequence's block table (flash
+attention over one cache block of keys at a time; the chunk's blocks packed once per call into the dot products'
+operand layout, no torch gather, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16 mode (products of
 bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16, fp32 otherwise, so
 that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers. A query row's result is bitwise independent of its
 chunk's length and start and of where its context came from (see the kernel's notes).
