@@ -1,9 +1,21 @@
-"""Attention's share of a decode step over the paged KV cache, at contexts of 128, 1,024 and 4,096 tokens.
+"""Attention over the paged KV cache: its share of a decode step, and a prefill chunk's attention per kernel.
 
-For each context and batch size, times a full decode step of the model and the 30 layers' paged attention calls
-alone (same metadata, same cache), and reports attention's share, for each KV cache dtype asked for. Usage:
+Decode: for each context (128, 1,024 and 4,096 tokens) and batch size, times a full decode step of the model and the
+30 layers' paged attention calls alone (same metadata, same cache), and reports attention's share, for each KV cache
+dtype asked for.
+
+Prefill (``--prefill-keys``): one layer's ``paged_attention`` of a 256-token chunk whose last token is key number
+256, 1,024 or 2,048 (the model's 9 query heads on 3 KV heads, head size 64, random fp32 cache in scattered blocks):
+torch's SDPA path (gather + mask, as without the kernel) beside the native kernel's fp32 and bf16 paths
+(leanserve/kernels/prefill_attention.cpp), fastest of ``--repeats`` after a warm-up.
+
+Engine prefill (``--engine-prefill 512,2048``): cold prefill tokens/s of a prompt of each length on the default
+engine (native Q4_1, ``--prefill-gemm auto``), the prefill kernel on and off (``runner.prefill_kernel`` set to
+None: the SDPA path) in alternation in one process, so a shared machine's load hits both alike; medians of
+``--engine-repeats``. Usage:
     .venv/bin/python -m benchmarks.attention [--batches 1,8] [--contexts 128,1024,4096] [--kv-cache-dtypes auto,float16]
-Writes benchmarks/results/attention.json and prints a table.
+        [--prefill-keys 256,1024,2048] [--prefill-only] [--engine-prefill 512,2048 [--engine-repeats 5]]
+Writes benchmarks/results/attention.json and prints tables.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import time
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
 from leanserve.loader import load_model
-from leanserve.model.attention import paged_attention
+from leanserve.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 from leanserve.model.llama import LlamaModel
 from leanserve.sampling_params import SamplingParams
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
@@ -70,14 +82,109 @@ def measure(model: LlamaModel, batch: int, context: int, repeats: int, native: b
             "attention_share": t_attn / t_step}
 
 
+def measure_prefill(keys: int, repeats: int, chunk: int = 256) -> dict:
+    """Milliseconds of one layer's prefill attention of a ``chunk``-token chunk ending at key ``keys``, per path."""
+    from leanserve.kernels import native_ops
+    from leanserve.model.prefill_attention import PrefillAttentionKernel
+
+    heads, kv_heads, head_dim = 9, 3, 64
+    g = torch.Generator().manual_seed(keys)
+    num_blocks = 2 * keys // BLOCK
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    ids = torch.randperm(num_blocks, generator=g)[:keys // BLOCK]  # scattered blocks
+    ctx = keys - chunk
+    q = torch.randn(chunk, heads, head_dim, generator=g)
+    k = torch.randn(chunk, kv_heads, head_dim, generator=g)
+    v = torch.randn_like(k)
+    slots = torch.tensor([int(ids[p // BLOCK]) * BLOCK + p % BLOCK for p in range(ctx, keys)])
+    rows = -(-chunk // 32) * 32
+    mask = (torch.arange(keys)[None] <= torch.arange(ctx, ctx + rows)[:, None]) if ctx else None
+    ext = native_ops()
+    kernels = {"sdpa": None}
+    if ext is not None:
+        kernels["fp32"] = PrefillAttentionKernel(ext, False)
+        if ext.prefill_attention_bf16_simd():
+            kernels["bf16"] = PrefillAttentionKernel(ext, True)
+    row = {"chunk": chunk, "keys": keys, "threads": torch.get_num_threads()}
+    for name, kernel in kernels.items():
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, chunk, ctx, ids, mask)],
+                                 prefill_kernel=kernel)
+
+        @torch.inference_mode()
+        def run(meta=meta):
+            paged_attention(q, k, v, k_cache, v_cache, meta)
+
+        run()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        row[f"{name}_ms"] = 1e3 * min(times)
+    for name in kernels:
+        if name != "sdpa":
+            row[f"{name}_speedup"] = row["sdpa_ms"] / row[f"{name}_ms"]
+    return row
+
+
+def engine_prefill(lengths: list[int], repeats: int) -> dict:
+    """Median cold prefill tokens/s per prompt length, the native prefill attention on and off, alternating."""
+    from leanserve import LLM
+
+    from benchmarks.common import corpus_text
+    from benchmarks.quant import prefill_tok_s
+
+    llm = LLM(kv_cache_memory=256 << 20)
+    kernel = llm.engine.runner.prefill_kernel
+    ids = llm.engine.tokenizer.encode(corpus_text(200_000), add_special_tokens=False)
+    raw: dict = {m: {"kernel": [], "sdpa": []} for m in lengths}
+    for _ in range(repeats + 1):  # the first round warms up
+        for m in lengths:
+            for name, k in (("kernel", kernel), ("sdpa", None)):
+                llm.engine.runner.prefill_kernel = k
+                raw[m][name].append(prefill_tok_s(llm, ids[:m]))
+    llm.engine.runner.prefill_kernel = kernel
+    out = {"prefill_gemm": llm.engine.prefill_gemm, "kernel_bf16": bool(kernel and kernel.bf16), "raw": raw}
+    for m in lengths:
+        a, b = statistics.median(raw[m]["kernel"][1:]), statistics.median(raw[m]["sdpa"][1:])
+        out[str(m)] = {"kernel_tok_s": a, "sdpa_tok_s": b, "speedup": a / b}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto (fp32 here), float16, int8")
+    ap.add_argument("--prefill-keys", default="256,1024,2048", help="prefill section: keys at the chunk's end")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode section")
+    ap.add_argument("--engine-prefill", default="", help="engine prefill section: prompt lengths (e.g. 512,2048)")
+    ap.add_argument("--engine-repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
+    prefill = [measure_prefill(int(n), 3 * args.repeats) for n in args.prefill_keys.split(",") if n]
+    print(f"\nPrefill attention of a 256-token chunk, one layer (9 heads on 3 KV heads, head_dim 64, "
+          f"{torch.get_num_threads()} threads), fastest ms")
+    print(f"{'keys':>6}{'sdpa':>9}{'fp32':>9}{'x':>7}{'bf16':>9}{'x':>7}")
+    for r in prefill:
+        print(f"{r['keys']:>6}{r['sdpa_ms']:>9.2f}{r.get('fp32_ms', float('nan')):>9.2f}"
+              f"{r.get('fp32_speedup', float('nan')):>7.2f}{r.get('bf16_ms', float('nan')):>9.2f}"
+              f"{r.get('bf16_speedup', float('nan')):>7.2f}")
+    engine = {}
+    if args.engine_prefill:
+        lengths = [int(v) for v in args.engine_prefill.split(",")]
+        engine = engine_prefill(lengths, args.engine_repeats)
+        print(f"\nEngine prefill tok/s (native Q4_1, --prefill-gemm {engine['prefill_gemm']}, "
+              f"{torch.get_num_threads()} threads), median of {args.engine_repeats}, alternating")
+        print(f"{'tokens':>7}{'kernel':>9}{'sdpa':>9}{'x':>7}")
+        for m in lengths:
+            r = engine[str(m)]
+            print(f"{m:>7}{r['kernel_tok_s']:>9.0f}{r['sdpa_tok_s']:>9.0f}{r['speedup']:>7.2f}")
+    if args.prefill_only:
+        write_json(args.out, {"prefill": prefill, "engine_prefill": engine})
+        return
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights)
     rows = [measure(model, int(b), int(c), args.repeats, native, kv_dtype)
@@ -88,7 +195,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['kv_cache_dtype']:>8}{r['kernel']:>8}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.1f}"
               f"{r['attention_ms']:>14.1f}{100 * r['attention_share']:>7.0f}%")
-    write_json(args.out, {"rows": rows})
+    write_json(args.out, {"rows": rows, "prefill": prefill, "engine_prefill": engine})
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ activations, fp32 GEMMs). Each mode runs the native Q4_1 model (``--quantization
 that mode's kernel; every prompt is prefilled in one pass, so every row is a prefill row. Per mode, over all
 positions of all prompts: the max and mean absolute error of the next-token log-probabilities over the whole
 vocabulary, the same for the log-prob of the token that actually follows, and how often the argmax agrees. Also
-the time of each mode's prefill of the prompts (the machine may be shared: see README).
+the time of each mode's prefill of the prompts (the machine may be shared: see README). The quantized model's
+prefill attention is the native kernel the engine pairs with each mode (``--attention native``: bf16 dot products
+for ``bf16``, fp32 for ``lane`` and ``bf16x3``) or torch's SDPA (``--attention torch``); the reference always SDPA.
 
-Usage: .venv/bin/python -m benchmarks.prefill_numerics [--lengths 64,128,256,512] [--out PATH]
+Usage: .venv/bin/python -m benchmarks.prefill_numerics [--lengths 64,128,256,512] [--attention native|torch]
+    [--out PATH]
 Writes benchmarks/results/prefill_numerics.json and prints a table.
 """
 
@@ -17,9 +20,11 @@ import argparse
 import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
+from leanserve.kernels import native_ops
 from leanserve.loader import load_model
 from leanserve.model.attention import AttentionMetadata, PrefillChunk
 from leanserve.model.llama import LlamaModel
+from leanserve.model.prefill_attention import prefill_attention_kernel
 from leanserve.quantization.prefill_gemm import configure_prefill_gemm
 from leanserve.worker.model_runner import allocate_kv_cache
 
@@ -31,14 +36,15 @@ MODES = ("lane", "bf16", "bf16x3")
 
 
 @torch.inference_mode()
-def prompt_logprobs(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, float]:
+def prompt_logprobs(model: LlamaModel, ids: list[int], kernel=None) -> tuple[torch.Tensor, float]:
     """Log-softmax of the logits at every position of ``ids`` ([len(ids), vocab] float32), from one prefill pass,
-    and the seconds that pass took."""
+    and the seconds that pass took; ``kernel``: the native prefill attention (None: torch's SDPA)."""
     n = len(ids)
     blocks = -(-n // 16)
     caches = allocate_kv_cache(model, blocks, 16)
     pos = torch.arange(n)
-    meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillChunk(0, n, 0, torch.arange(blocks))])
+    meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillChunk(0, n, 0, torch.arange(blocks))],
+                             prefill_kernel=kernel)
     t0 = time.perf_counter()
     hidden = model.forward(torch.tensor(ids), pos, caches, meta)
     seconds = time.perf_counter() - t0
@@ -48,6 +54,9 @@ def prompt_logprobs(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="64,128,256,512", help="prompt lengths (tokens), one prompt each")
+    ap.add_argument("--attention", choices=("native", "torch"), default="native",
+                    help="prefill attention of the quantized model: the native kernel as the engine runs it "
+                         "(leanserve.model.prefill_attention), or torch's SDPA")
     ap.add_argument("--out", default="benchmarks/results/prefill_numerics.json")
     args = ap.parse_args()
     loaded = load_model(None, quantization="auto")
@@ -61,12 +70,15 @@ def main() -> None:
     results = {}
     for mode in MODES:
         resolved = configure_prefill_gemm(model, mode)
-        prompt_logprobs(model, prompts[0])  # warm-up
+        # the prefill attention the engine pairs with the mode (bf16 dots for bf16, fp32 otherwise), or SDPA
+        kernel = None if args.attention == "torch" else prefill_attention_kernel(
+            native_ops(), loaded.config.head_dim, 16, resolved)
+        prompt_logprobs(model, prompts[0], kernel)  # warm-up
         full_max = full_sum = tok_max = tok_sum = 0.0
         count = tokens = agree = 0
         seconds = 0.0
         for p, ref in zip(prompts, refs, strict=True):
-            lp, s = prompt_logprobs(model, p)
+            lp, s = prompt_logprobs(model, p, kernel)
             seconds += s
             d = (lp - ref).abs()
             full_max, full_sum, count = max(full_max, d.max().item()), full_sum + d.sum().item(), count + d.numel()
@@ -74,7 +86,9 @@ def main() -> None:
             dt = d[:-1].gather(1, nxt[:, None])[:, 0]
             tok_max, tok_sum, tokens = max(tok_max, dt.max().item()), tok_sum + dt.sum().item(), tokens + len(dt)
             agree += (lp.argmax(-1) == ref.argmax(-1)).sum().item()
-        results[mode] = {"resolved": resolved, "vocab_max_abs": full_max, "vocab_mean_abs": full_sum / count,
+        attention = "torch" if kernel is None else "bf16" if kernel.bf16 else "fp32"
+        results[mode] = {"resolved": resolved, "attention": attention, "vocab_max_abs": full_max,
+                         "vocab_mean_abs": full_sum / count,
                          "next_token_max_abs": tok_max, "next_token_mean_abs": tok_sum / tokens,
                          "argmax_agreement": agree / sum(lengths), "prefill_s": seconds,
                          "prefill_tok_s": sum(lengths) / seconds}
@@ -83,7 +97,7 @@ def main() -> None:
     for mode, r in results.items():
         print(f"{mode:<8}{r['vocab_max_abs']:>11.2e}{r['vocab_mean_abs']:>12.2e}{r['next_token_max_abs']:>10.2e}"
               f"{r['next_token_mean_abs']:>11.2e}{r['argmax_agreement']:>8.4f}{r['prefill_tok_s']:>8.0f}")
-    write_json(args.out, {"lengths": lengths, "modes": results})
+    write_json(args.out, {"lengths": lengths, "attention": args.attention, "modes": results})
 
 
 if __name__ == "__main__":

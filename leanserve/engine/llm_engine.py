@@ -139,7 +139,8 @@ class LLMEngine:
         per_layer = [swa.num_local_blocks if s else num_blocks for s in sliding] if swa else num_blocks
         kv_caches = allocate_kv_cache(self.model, per_layer, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
-                                  seed=config.seed, use_native_kernels=config.use_native_kernels)
+                                  seed=config.seed, use_native_kernels=config.use_native_kernels,
+                                  prefill_gemm=self.prefill_gemm)
         if swa is not None:  # read in place each step
             self.runner.local_block_map = torch.frombuffer(swa.local_of, dtype=torch.int64)
         self.processor = OutputProcessor(self.tokenizer)

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
-            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp")
+            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -114,6 +114,8 @@ def native_ops() -> ModuleType | None:
     instruction-set path of ``$LEANSERVE_KERNEL_ISA`` (:func:`kernel_isa`):
 
     * ``paged_decode_attention`` (paged_attention.cpp): decode attention read in place from the paged KV cache;
+    * ``paged_prefill_attention``, ``prefill_attention_bf16_simd`` (prefill_attention.cpp): a prefill chunk's
+      causal attention read in place from the paged KV cache (flash attention, fp32 or bf16 dot products);
     * ``block_quant_gemm``, ``block_dequantize`` (block_quant_gemm.cpp): GGUF Q4_0/Q4_1/Q8_0 weights in their
       file layout;
     * ``kquant_gemm``, ``kquant_dequantize`` (kquant_gemm.cpp): GGUF Q4_K / Q6_K weights in their file bytes;

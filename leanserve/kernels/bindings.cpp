@@ -20,6 +20,9 @@ bool bf16_gemm_simd();
 void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, int64_t bits, torch::Tensor hi,
                        torch::Tensor lo);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16);
+bool prefill_attention_bf16_simd();
 void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -35,5 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_simd", &bf16_gemm_simd, "whether bf16_gemm / lane_dequant_bf16 use AVX512_BF16");
   m.def("lane_dequant_bf16", &lane_dequant_bf16, "lane-layout w into pair-packed bf16 hi (and lo) buffers");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots)");
+  m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
+        "whether paged_prefill_attention has its AVX512_BF16 path");
   bind_decode_layers(m);
 }

@@ -16,6 +16,10 @@ prefill chunks, one contiguous run of tokens per sequence.
   the torch path: only the gathered blocks are dequantized, to the query dtype (the native kernel is fp32-only).
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
   prefix-cache hit or an earlier chunk, the context is gathered from the cache and the causal mask is offset.
+* With the native prefill kernel (``leanserve/kernels/prefill_attention.cpp``, an fp32 cache on CPU; see
+  :mod:`leanserve.model.prefill_attention`) each chunk is one call that reads its sequence's blocks through the
+  block table (converted once per call into the kernel's packed operand copy), with no torch gather, mask or query
+  padding.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ KVCache = torch.Tensor | Int8KVCache  # one layer's K or V: [num_blocks, block_s
 
 # Prefill chunks of at least this many tokens give every row bitwise the same result whatever the chunk's length
 # and context (a 1-token piece would run as a decode, and NumPy's BLAS rounds 1-2-row products differently; the
-# attention's query padding, _padded_queries, does the rest): the engine keeps prefix-cache tails and chunked-prefill
+# SDPA path's query padding, _padded_queries, does the rest; the native prefill kernel needs no padding: each of
+# its rows is computed alike whatever the chunk): the engine keeps prefix-cache tails and chunked-prefill
 # pieces at least this long, so a prompt's output does not depend on what was cached or how it was chunked
 # (tests/engine/test_prefix_cache_exact.py).
 PREFILL_MIN_ROWS = 8
@@ -72,6 +77,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # native paged decode kernel (leanserve.kernels), reading the cache in place; None: the torch path
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # native paged prefill attention (leanserve.model.prefill_attention): each chunk read in place from an fp32
+    # cache, no mask, no query padding; None: the torch path
+    prefill_kernel: Callable[..., torch.Tensor] | None = None
     # sliding-window layers with their own smaller pool: [num_blocks] int64, the local block of each block id
     # (-1: none; leanserve.core.sliding_window); None: they use the block ids as they are
     local_block_map: torch.Tensor | None = None
@@ -145,6 +153,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[sl] = od.reshape(g.count, num_heads, head_dim)
     for p in meta.prefills:
         sl = slice(p.query_start, p.query_start + p.query_len)
+        if meta.prefill_kernel is not None:
+            out[sl] = meta.prefill_kernel(q[sl].contiguous(), k_cache, v_cache, p.block_ids, p.context_len,
+                                          head_dim ** -0.5)
+            continue
         qp = _padded_queries(q[sl])  # [1, num_heads, q_len rounded up to Q_ROWS_MULTIPLE, head_dim]
         if p.context_len == 0:
             kp = k[sl].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]

@@ -17,6 +17,7 @@ from leanserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from leanserve.kernels import native_ops
 from leanserve.model.attention import Q_ROWS_MULTIPLE, AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from leanserve.model.llama import LlamaModel
+from leanserve.model.prefill_attention import PrefillAttentionKernel, prefill_attention_kernel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache, zeroed
 from leanserve.sampling_params import SamplingParams
@@ -97,14 +98,17 @@ class ModelRunner:
         block_size: tokens per KV block.
         sampler: the batched sampler (None: a runner that only builds inputs, as the draft model's).
         seed: seeds the generators of requests that carry no seed of their own.
-        use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels).
+        use_native_kernels: use the compiled paged decode attention where it applies (see leanserve.kernels), and
+            the prefill attention kernel for an fp32 cache (leanserve.model.prefill_attention).
+        prefill_gemm: the resolved ``--prefill-gemm`` mode; ``bf16`` gives the prefill attention its bf16 path.
 
     With ``model.batch_invariant``, each decode is attended on its own (the native kernel does so already; the torch
     path then makes groups of one, no padding), so no sequence's arithmetic depends on its neighbours.
     """
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[KVCache, KVCache]], block_size: int,
-                 sampler: Sampler | None, seed: int = 0, use_native_kernels: bool = True) -> None:
+                 sampler: Sampler | None, seed: int = 0, use_native_kernels: bool = True,
+                 prefill_gemm: str = "lane") -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -116,12 +120,15 @@ class ModelRunner:
         # be reused by a new request before this runner sees finished_req_ids)
         self.grammars: dict[str, GrammarState] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
+        self.prefill_kernel: PrefillAttentionKernel | None = None  # native prefill attention (fp32 cache on CPU)
         self.local_block_map: torch.Tensor | None = None  # AttentionMetadata.local_block_map, set by the engine
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
                 and model.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16):
             ext = native_ops()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
+            if k_cache.dtype == torch.float32:  # native prefill attention; fp32 or bf16 dots as --prefill-gemm
+                self.prefill_kernel = prefill_attention_kernel(ext, k_cache.shape[3], block_size, prefill_gemm)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         req = s.request
@@ -169,7 +176,7 @@ class ModelRunner:
                     decode_lens.append(start + 1 + j)
             else:
                 chunk = PrefillChunk(q_start, n, start, self._tensor(table))
-                if start:
+                if start and self.prefill_kernel is None:  # the kernel masks by position itself
                     rows = -(-n // Q_ROWS_MULTIPLE) * Q_ROWS_MULTIPLE  # attention pads the queries to this
                     q_pos = torch.arange(start, start + rows, device=self.device)
                     k_pos = torch.arange(start + n, device=self.device)
@@ -178,6 +185,7 @@ class ModelRunner:
             if s.samples:
                 logits_idx.extend(range(len(ids) - 1 - len(spec), len(ids)))
         meta.decode_kernel = self.decode_kernel
+        meta.prefill_kernel = self.prefill_kernel
         meta.local_block_map = self.local_block_map
         if self.decode_kernel:
             groups = [list(range(len(decode_lens)))]

@@ -1,0 +1,53 @@
+"""The native paged prefill attention kernel (``leanserve/kernels/prefill_attention.cpp``) as the runner uses it.
+
+A prefill chunk's causal attention over an fp32 paged KV cache, read through the sequence's block table (flash
+attention over one cache block of keys at a time; the chunk's blocks packed once per call into the dot products'
+operand layout, no torch gather, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16 mode (products of
+bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16, fp32 otherwise, so
+that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers. A query row's result is bitwise independent of its
+chunk's length and start and of where its context came from (see the kernel's notes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# head sizes with the kernel's SIMD paths (other sizes would run its scalar loops, slower than SDPA)
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+class PrefillAttentionKernel:
+    """``kernel(q, k_cache, v_cache, block_ids, context_len, scale)`` -> [n, num_heads, head_dim] float32.
+
+    Args (of a call): q [n, num_heads, head_dim] float32 contiguous (RoPE applied; row i at position
+    context_len + i); k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] float32 with the chunk's K/V
+    already written; block_ids [>= ceil((context_len + n) / block_size)] int64; scale (1/sqrt(head_dim)).
+    Raises RuntimeError (from the extension) on shapes or dtypes outside that contract.
+
+    Attributes:
+        bf16: whether the bf16 dot-product path runs (else fp32).
+    """
+
+    __slots__ = ("ext", "bf16")
+
+    def __init__(self, ext: Any, bf16: bool) -> None:
+        self.ext, self.bf16 = ext, bf16
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                 context_len: int, scale: float) -> torch.Tensor:
+        return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16)
+
+
+def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int,
+                             prefill_gemm: str) -> PrefillAttentionKernel | None:
+    """The kernel for a model's fp32 KV cache on CPU, or None where the torch path should run: no native
+    kernels (``ext`` None or without the kernel), a head size outside ``KERNEL_HEAD_DIMS``, or a block size that is
+    not a multiple of 16. ``prefill_gemm`` is the resolved ``--prefill-gemm`` mode: ``bf16`` selects the bf16 path
+    where the build has AVX512_BF16 (``ext.prefill_attention_bf16_simd()``), anything else the fp32 path."""
+    if ext is None or not hasattr(ext, "paged_prefill_attention"):
+        return None
+    if head_dim not in KERNEL_HEAD_DIMS or block_size % 16:
+        return None
+    return PrefillAttentionKernel(ext, prefill_gemm == "bf16" and bool(ext.prefill_attention_bf16_simd()))

@@ -1,0 +1,195 @@
+"""The native paged prefill attention (leanserve/kernels/prefill_attention.cpp): close to float64 causal attention
+(fp32 path within 1e-5, bf16 path within bf16's bounds), on random caches and on the model's own q/k/v; a query
+row's result bitwise independent of its chunk (length, start), of the physical blocks and of stale cache contents;
+bad input refused; paged_attention sends prefill chunks to it."""
+
+from __future__ import annotations
+
+import sys
+
+import leanserve  # noqa: F401  (first: OpenMP wait policy)
+from leanserve.kernels import native_ops
+from leanserve.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+from leanserve.model.prefill_attention import prefill_attention_kernel
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import kernel_isa_paths, use_kernel_isa
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="the native kernels did not build")
+
+FP32_ATOL = 1e-5  # fp32 path vs float64 (unit-normal data; measured ~1e-6)
+# bf16 path: Q, K, V and P rounded to bf16 (unit roundoff 2**-9). Against float64 on the rounded Q, K, V only P's
+# rounding remains: |error| <= 2**-9 * max|v| per output (a convex combination of rows of v with weights off by
+# 2**-9 relative at most); against the exact float64 result on unit-normal data the scores' rounding adds ~1e-2.
+BF16_P_BOUND = 2.0 ** -9
+BF16_ATOL = 3e-2
+
+
+@pytest.fixture(autouse=True, params=kernel_isa_paths())
+def kernel_isa(request, monkeypatch):
+    """Every test runs on each instruction-set path (the avx2 one has no AVX512_BF16: the fp32 path only)."""
+    use_kernel_isa(request, monkeypatch, sys.modules[__name__])
+    return request.param
+
+
+def _paths() -> list[bool]:
+    return [False, True] if native_ops().prefill_attention_bf16_simd() else [False]
+
+
+def _cache(num_blocks: int, bs: int, kvh: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_blocks, bs, kvh, d, generator=g), torch.randn(num_blocks, bs, kvh, d, generator=g))
+
+
+def _reference(q, k_cache, v_cache, ids, ctx):
+    """float64 causal attention of q [n, H, D] (row i at position ctx + i) over the blocks ``ids``."""
+    n, _, d = q.shape
+    kvh = k_cache.shape[2]
+    keys = k_cache[ids].reshape(-1, kvh, d)[:ctx + n].double().transpose(0, 1)[None]
+    values = v_cache[ids].reshape(-1, kvh, d)[:ctx + n].double().transpose(0, 1)[None]
+    mask = torch.arange(ctx + n)[None] <= (ctx + torch.arange(n))[:, None]
+    out = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+@pytest.mark.parametrize("shape", [(16, 3, 3, 64), (32, 2, 4, 128), (16, 1, 2, 32)],
+                         ids=["bs16-gqa3-d64", "bs32-gqa4-d128", "bs16-d32-scalar"])
+@pytest.mark.parametrize("ctx,n", [(0, 1), (0, 45), (7, 33), (100, 256), (1000, 70)])
+def test_matches_float64_attention(shape, ctx, n):
+    bs, kvh, group, d = shape
+    k_cache, v_cache = _cache(100, bs, kvh, d, seed=ctx + n)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randperm(100, generator=g)[:-(-(ctx + n) // bs)]  # scattered blocks
+    q = torch.randn(n, kvh * group, d, generator=g)
+    ext = native_ops()
+    out = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, False)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert (out.double() - _reference(q, k_cache, v_cache, ids, ctx)).abs().max().item() <= FP32_ATOL
+    if True in _paths() and d in (64, 128):
+        out = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, True).double()
+        assert (out - _reference(q, k_cache, v_cache, ids, ctx)).abs().max().item() <= BF16_ATOL
+        ref = _reference(_bf16(q), _bf16(k_cache), _bf16(v_cache), ids, ctx)
+        vmax = v_cache[ids].abs().max().item()
+        assert (out - ref).abs().max().item() <= BF16_P_BOUND * vmax
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_row_bitwise_independent_of_chunking(bf16):
+    if bf16 and not native_ops().prefill_attention_bf16_simd():
+        pytest.skip("no AVX512_BF16 path in this build")
+    bs, kvh, group, d, total = 16, 3, 3, 64, 300
+    k_cache, v_cache = _cache(60, bs, kvh, d, seed=3)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randperm(60, generator=g)[:-(-total // bs)]
+    q = torch.randn(total, kvh * group, d, generator=g)
+    run = native_ops().paged_prefill_attention
+    whole = run(q, k_cache, v_cache, ids, 0, d ** -0.5, bf16)
+    for ctx, n in [(0, 9), (37, 263), (100, 8), (129, 171), (250, 1), (290, 10), (16, 16)]:
+        stale_k, stale_v = k_cache.clone(), v_cache.clone()
+        flat_k = stale_k[ids].reshape(-1, kvh, d)
+        flat_k[ctx + n:] = 1e4  # slots past the chunk's end: another sequence's stale keys and values
+        flat_v = stale_v[ids].reshape(-1, kvh, d)
+        flat_v[ctx + n:] = -3e3
+        stale_k[ids] = flat_k.view(-1, bs, kvh, d)
+        stale_v[ids] = flat_v.view(-1, bs, kvh, d)
+        part = run(q[ctx:ctx + n].contiguous(), stale_k, stale_v, ids, ctx, d ** -0.5, bf16)
+        assert torch.equal(part, whole[ctx:ctx + n]), (ctx, n)
+    # the same keys in other physical blocks (a prefix-cache hit reads the cached copy)
+    moved_ids = torch.arange(60 - len(ids), 60)
+    moved_k, moved_v = k_cache.clone(), v_cache.clone()
+    moved_k[moved_ids], moved_v[moved_ids] = k_cache[ids], v_cache[ids]
+    assert torch.equal(run(q[200:].contiguous(), moved_k, moved_v, moved_ids, 200, d ** -0.5, bf16), whole[200:])
+
+
+def test_model_qkv_close_to_float64(loaded):
+    """The model's own queries and keys (RoPE applied, real softmax sharpness) from a forward of a long prompt."""
+    from leanserve.model import llama
+    from leanserve.model.llama import LlamaModel
+    from leanserve.worker.model_runner import allocate_kv_cache
+
+    model = LlamaModel(loaded.config, loaded.weights)
+    bs = 16
+    ids = loaded.tokenizer.encode("The history of the printing press begins in East Asia. " * 30)[:400]
+    kv = allocate_kv_cache(model, -(-len(ids) // bs), bs)
+    seen = []
+
+    def capture(q, k, v, k_cache, v_cache, meta):
+        out = paged_attention(q, k, v, k_cache, v_cache, meta)
+        seen.append((q.clone(), k_cache, v_cache))
+        return out
+
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n),
+                             prefills=[PrefillChunk(0, n, 0, torch.arange(-(-n // bs)))])
+    orig = llama.paged_attention
+    llama.paged_attention = capture
+    try:
+        with torch.inference_mode():
+            model.forward(torch.tensor(ids), torch.arange(n), kv, meta)
+    finally:
+        llama.paged_attention = orig
+    assert len(seen) == loaded.config.num_layers
+    ext = native_ops()
+    block_ids = torch.arange(-(-n // bs))
+    d = seen[0][0].shape[2]
+    for layer in (0, len(seen) // 2, len(seen) - 1):
+        q, k_cache, v_cache = seen[layer]
+        ctx = 150  # a chunk after a context, as chunked prefill runs it
+        ref = _reference(q[ctx:], k_cache, v_cache, block_ids, ctx)
+        out = ext.paged_prefill_attention(q[ctx:].contiguous(), k_cache, v_cache, block_ids, ctx, d ** -0.5, False)
+        scale = ref.abs().max().item()
+        assert (out.double() - ref).abs().max().item() <= FP32_ATOL * max(1.0, scale)
+        if True in _paths():
+            out = ext.paged_prefill_attention(q[ctx:].contiguous(), k_cache, v_cache, block_ids, ctx, d ** -0.5,
+                                              True)
+            ref16 = _reference(_bf16(q[ctx:]), _bf16(k_cache), _bf16(v_cache), block_ids, ctx)
+            vmax = v_cache[block_ids].abs().max().item()
+            assert (out.double() - ref16).abs().max().item() <= BF16_P_BOUND * vmax
+
+
+def test_bad_input_refused():
+    ext = native_ops()
+    k_cache, v_cache = _cache(4, 16, 1, 64, seed=5)
+    q = torch.randn(20, 3, 64)
+    with pytest.raises(RuntimeError, match="block table"):
+        ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0]), 0, 0.125, False)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 9]), 0, 0.125, False)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.paged_prefill_attention(q.double(), k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, False)
+    with pytest.raises(RuntimeError, match="KVH dividing H"):
+        ext.paged_prefill_attention(torch.randn(20, 3, 32), k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, False)
+    if not ext.prefill_attention_bf16_simd():
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True)
+
+
+def test_selection_and_paged_attention_dispatch():
+    ext = native_ops()
+    assert prefill_attention_kernel(None, 64, 16, "bf16") is None
+    assert prefill_attention_kernel(ext, 256, 16, "bf16") is None  # no SIMD path: the torch path is faster
+    assert prefill_attention_kernel(ext, 64, 8, "lane") is None
+    assert not prefill_attention_kernel(ext, 64, 16, "lane").bf16
+    assert not prefill_attention_kernel(ext, 64, 16, "bf16x3").bf16
+    assert prefill_attention_kernel(ext, 64, 16, "bf16").bf16 == ext.prefill_attention_bf16_simd()
+    # a chunk of 20 tokens after 30 cached ones, through paged_attention: the kernel's result, the K/V written
+    k_cache, v_cache = _cache(8, 16, 3, 64, seed=6)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(20, 9, 64, generator=g), torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64,
+                                                                                                  generator=g)
+    block_ids = torch.tensor([5, 2, 7, 0])
+    slots = torch.tensor([int(block_ids[p // 16]) * 16 + p % 16 for p in range(30, 50)])
+    kernel = prefill_attention_kernel(ext, 64, 16, "lane")
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, 20, 30, block_ids)], prefill_kernel=kernel)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots], k)
+    assert torch.equal(out, ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, 30, 0.125, False))
+    assert (out.double() - _reference(q, k_cache, v_cache, block_ids, 30)).abs().max().item() <= FP32_ATOL
