@@ -1,11 +1,11 @@
 """The native paged prefill attention kernel (``leanserve/kernels/prefill_attention.cpp``) as the runner uses it.
 
-A prefill chunk's causal attention over an fp32 paged KV cache, read through the sequence's block table (flash
-attention over one cache block of keys at a time; the chunk's blocks packed once per call into the dot products'
-operand layout, no torch gather, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16 mode (products of
-bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16, fp32 otherwise, so
-that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers. A query row's result is bitwise independent of its
-chunk's length and start and of where its context came from (see the kernel's notes).
+A prefill chunk's causal attention over an fp32 (or fp16, widened per call) paged KV cache, read through the
+sequence's block table (flash attention over one cache block of keys at a time; the chunk's blocks packed once per
+call into the dot products' operand layout, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16
+mode (products of bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16,
+fp32 otherwise, so that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers. A query row's result is bitwise
+independent of its chunk's length and start and of where its context came from (see the kernel's notes).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class PrefillAttentionKernel:
     """``kernel(q, k_cache, v_cache, block_ids, context_len, scale)`` -> [n, num_heads, head_dim] float32.
 
     Args (of a call): q [n, num_heads, head_dim] float32 contiguous (RoPE applied; row i at position
-    context_len + i); k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] float32 with the chunk's K/V
-    already written; block_ids [>= ceil((context_len + n) / block_size)] int64; scale (1/sqrt(head_dim)).
+    context_len + i); k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] float32, or float16 (the
+    blocks the chunk reads are then gathered and widened to float32 first), with the chunk's K/V already written;
+    block_ids [>= ceil((context_len + n) / block_size)] int64; scale (1/sqrt(head_dim)).
     Raises RuntimeError (from the extension) on shapes or dtypes outside that contract.
 
     Attributes:
@@ -37,12 +38,17 @@ class PrefillAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  context_len: int, scale: float) -> torch.Tensor:
+        if k_cache.dtype == torch.float16:  # the blocks the chunk reads, widened once (as the SDPA path gathers)
+            used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
+            ids = block_ids[:used]
+            k_cache, v_cache = k_cache.index_select(0, ids).float(), v_cache.index_select(0, ids).float()
+            block_ids = torch.arange(used, dtype=torch.int64)
         return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16)
 
 
 def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int,
                              prefill_gemm: str) -> PrefillAttentionKernel | None:
-    """The kernel for a model's fp32 KV cache on CPU, or None where the torch path should run: no native
+    """The kernel for a model's fp32 or fp16 KV cache on CPU, or None where the torch path should run: no native
     kernels (``ext`` None or without the kernel), a head size outside ``KERNEL_HEAD_DIMS``, or a block size that is
     not a multiple of 16. ``prefill_gemm`` is the resolved ``--prefill-gemm`` mode: ``bf16`` selects the bf16 path
     where the build has AVX512_BF16 (``ext.prefill_attention_bf16_simd()``), anything else the fp32 path."""

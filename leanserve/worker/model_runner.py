@@ -120,15 +120,15 @@ class ModelRunner:
         # be reused by a new request before this runner sees finished_req_ids)
         self.grammars: dict[str, GrammarState] = {}
         self.decode_kernel = None  # native paged decode attention, used for fp32 / fp16 caches on CPU (fp32 model)
-        self.prefill_kernel: PrefillAttentionKernel | None = None  # native prefill attention (fp32 cache on CPU)
+        self.prefill_kernel: PrefillAttentionKernel | None = None  # native prefill attention (fp32/fp16 cache, CPU)
         self.local_block_map: torch.Tensor | None = None  # AttentionMetadata.local_block_map, set by the engine
         k_cache = kv_caches[0][0] if kv_caches else None
         if use_native_kernels and isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" \
                 and model.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16):
             ext = native_ops()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
-            if k_cache.dtype == torch.float32:  # native prefill attention; fp32 or bf16 dots as --prefill-gemm
-                self.prefill_kernel = prefill_attention_kernel(ext, k_cache.shape[3], block_size, prefill_gemm)
+            # native prefill attention; fp32 or bf16 dots as --prefill-gemm
+            self.prefill_kernel = prefill_attention_kernel(ext, k_cache.shape[3], block_size, prefill_gemm)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         req = s.request

@@ -109,6 +109,25 @@ def test_row_bitwise_independent_of_chunking(bf16):
     assert torch.equal(run(q[200:].contiguous(), moved_k, moved_v, moved_ids, 200, d ** -0.5, bf16), whole[200:])
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_float16_cache_equals_the_kernel_on_its_widened_values(bf16):
+    """A float16 cache (benchmarks.throughput's, llama.cpp's default KV type): the blocks the chunk reads are
+    widened to float32 and attended as an fp32 cache holding the same values, bitwise."""
+    if bf16 and not native_ops().prefill_attention_bf16_simd():
+        pytest.skip("no AVX512_BF16 path in this build")
+    bs, kvh, group, d, ctx, n = 16, 3, 3, 64, 70, 45
+    k_cache, v_cache = (c.half() for c in _cache(40, bs, kvh, d, seed=9))
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randperm(40, generator=g)[:-(-(ctx + n) // bs) + 2]  # the table may run past the chunk
+    q = torch.randn(n, kvh * group, d, generator=g)
+    kernel = prefill_attention_kernel(native_ops(), d, bs, "bf16" if bf16 else "lane")
+    out = kernel(q, k_cache, v_cache, ids, ctx, d ** -0.5)
+    want = native_ops().paged_prefill_attention(q, k_cache.float(), v_cache.float(), ids, ctx, d ** -0.5, bf16)
+    assert torch.equal(out, want)
+    assert (out.double() - _reference(q, k_cache.float(), v_cache.float(), ids, ctx)).abs().max().item() <= (
+        BF16_ATOL if bf16 else FP32_ATOL)
+
+
 def test_model_qkv_close_to_float64(loaded):
     """The model's own queries and keys (RoPE applied, real softmax sharpness) from a forward of a long prompt."""
     from leanserve.model import llama
