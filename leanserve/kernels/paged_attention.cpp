@@ -358,8 +358,8 @@ inline void scores16(const float* qh, const T* kb, int64_t stride, int64_t nk, _
   }
 }
 
-// decode_kernel with AVX-512F, for kD % 16 == 0: the same tasks, copy, prefetch and online softmax per block as the
-// AVX2 path, but each key row is loaded (a float16 one converted by vcvtph2ps) once for the kG heads, the scores of
+// decode_kernel with AVX-512F, for kD % 16 == 0: the same tasks, prefetch and online softmax per block as the AVX2
+// path (the blocks read in place, not copied first), but each key row is loaded (a float16 one converted by vcvtph2ps) once for the kG heads, the scores of
 // 16 keys x kG heads come out of kG transpose-reduces (scores16; the softmax then runs on 16 lanes), and P.V
 // accumulates into zmm tiles of kG x kVC x 16 dimensions, each value row loaded once per tile. A sequence's arithmetic depends only on its own
 // inputs (batch invariant): the task split and the copy or in-place read change no operation or order.
@@ -393,7 +393,6 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
   leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
     const int64_t state = hpt * kG * kD;
     std::vector<float> qs(state), acc(state), s(kG * padded);
-    std::vector<T> kbuf(hpt == KVH ? BS * row : 0), vbuf(hpt == KVH ? BS * row : 0);
     std::vector<float> m(hpt * kG), l(hpt * kG), corr(kG);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t n = idx / (KVH / hpt), h0 = idx % (KVH / hpt) * hpt;
@@ -422,12 +421,7 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
         }
         const T* kblk = kp + bt[n * MB + j] * BS * row + h0 * kD;
         const T* vblk = vp + bt[n * MB + j] * BS * row + h0 * kD;
-        if (hpt == KVH) {  // the block's rows for all heads are contiguous: one streaming copy
-          std::memcpy(kbuf.data(), kblk, cnt * row * sizeof(T));
-          std::memcpy(vbuf.data(), vblk, cnt * row * sizeof(T));
-          kblk = kbuf.data();
-          vblk = vbuf.data();
-        }
+        // (no copy into a local buffer, unlike the AVX2 path: read in place it measured 5-40% faster here)
         for (int64_t hh = 0; hh < hpt; ++hh) {
           const T* kb = kblk + hh * kD;
           const T* vb = vblk + hh * kD;
