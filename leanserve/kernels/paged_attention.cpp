@@ -7,6 +7,7 @@
 // block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (tokens to attend, the new one included)
 // returns       [N, H, D] float32. The G = H / KVH query heads of a KV head share its keys (GQA).
 #include <torch/extension.h>
+#include "simd_exp.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -105,26 +106,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 namespace {
 
-// exp(x) for x <= 0 on 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial; relative error
-// ~2 ulp). Inputs below -87.3 return 0 (e^-87.3 is below float's normal range), -inf included.
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+using leanserve::exp_nonpos;  // simd_exp.h
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -277,26 +259,6 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
 #if defined(__AVX512F__)
 namespace {
 
-// exp(x) for x <= 0 on 16 lanes: exp_nonpos's Cephes expf, lane for lane the same arithmetic.
-inline __m512 exp_nonpos16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(e));
-}
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -447,7 +409,7 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
             const __m512 nm = _mm512_set1_ps(new_m);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t0 = 0; t0 < padded; t0 += 16) {
-              const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), nm));
+              const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), nm));
               _mm512_storeu_ps(sg + t0, e);
               sum = _mm512_add_ps(sum, e);
             }

@@ -32,6 +32,7 @@
 // returns     [n, H, D] float32
 // SIMD paths for D in {64, 128} and block_size a multiple of 16; other shapes run the scalar loops (same contract).
 #include <torch/extension.h>
+#include "simd_exp.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -181,25 +182,7 @@ struct Isa {
                                        : static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1u);
     return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), v);
   }
-  // exp(x) for x <= 0 (Cephes' expf as in paged_attention.cpp: ~2 ulp); below -87.3 (and -inf) returns 0.
-  static Vec exp_nonpos(Vec x) {
-    const Vec lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    Vec p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-  }
+  static Vec exp_nonpos(Vec x) { return leanserve::exp_nonpos(x); }  // simd_exp.h: ~2 ulp, 0 below -87.3
 };
 #else
 struct Isa {
@@ -232,24 +215,7 @@ struct Isa {
         std::min<int64_t>(valid, 8))), idx));
     return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), v, keep);
   }
-  static Vec exp_nonpos(Vec x) {  // as paged_attention.cpp's
-    const Vec lo = _mm256_set1_ps(-87.3f);
-    const Vec underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    Vec p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-  }
+  static Vec exp_nonpos(Vec x) { return leanserve::exp_nonpos(x); }  // simd_exp.h
 };
 #endif
 
