@@ -24,17 +24,7 @@ from leanserve.loader.gguf_tensors import open_gguf
 from leanserve.tokenizer import Tokenizer
 
 from benchmarks.common import write_json
-
-
-def conversation(turns: int) -> list[dict]:
-    conv = [{"role": "system", "content": "You are a patient travel agent. Answer in one short sentence."}]
-    for i in range(turns):
-        conv.append({"role": "user", "content": f"Question {i}: what is a good thing to see in city number {i}, "
-                     "and how long should I stay there if I like museums and parks?"})
-        if i < turns - 1:
-            conv.append({"role": "assistant", "content": f"In city {i}, visit the old town and its museum; two "
-                         "days are enough for the museums and one more for the parks."})
-    return conv
+from benchmarks.history_summary import conversation
 
 
 def best_of(n: int, fn) -> tuple[float, object]:
