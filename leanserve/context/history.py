@@ -157,7 +157,8 @@ def _stable_cut(messages: Sequence[dict[str, Any]], turns: list[list[int]], toke
     fits with it (a cut that still fits is never moved)."""
     if step <= 0 or d_min == 0:
         return d_min
-    costs = [_turn_tokens(tokenizer, [messages[i] for i in t]) for t in turns]
+    base = _stub_tokens(tokenizer)
+    costs = [_turn_tokens(tokenizer, [messages[i] for i in t], base) for t in turns]
     cum = [0]
     for c in costs:
         cum.append(cum[-1] + c)
@@ -170,12 +171,21 @@ def _stable_cut(messages: Sequence[dict[str, Any]], turns: list[list[int]], toke
 _STUB = {"role": "system", "content": ""}
 
 
-def _turn_tokens(tokenizer: ChatTokenizer, turn: list[dict[str, Any]]) -> int:
-    """Tokens one turn adds to a rendered conversation: rendered after an empty system message, less that message
-    alone (so a template's default system prompt, added when a conversation starts without one, is not counted);
-    the turn rendered alone when the template refuses that."""
+def _stub_tokens(tokenizer: ChatTokenizer) -> int | None:
+    """Tokens of an empty system message rendered alone; None when the template refuses one."""
     try:
-        return max(0, count_tokens(tokenizer, [_STUB, *turn], add_generation_prompt=False)
-                   - count_tokens(tokenizer, [_STUB], add_generation_prompt=False))
+        return count_tokens(tokenizer, [_STUB], add_generation_prompt=False)
     except Exception:  # noqa: BLE001 - a template that refuses a leading system message
-        return count_tokens(tokenizer, turn, add_generation_prompt=False)
+        return None
+
+
+def _turn_tokens(tokenizer: ChatTokenizer, turn: list[dict[str, Any]], base: int | None) -> int:
+    """Tokens one turn adds to a rendered conversation: rendered after an empty system message, less that message
+    alone (``base``, :func:`_stub_tokens`; so a template's default system prompt, added when a conversation starts
+    without one, is not counted); the turn rendered alone when the template refuses that."""
+    if base is not None:
+        try:
+            return max(0, count_tokens(tokenizer, [_STUB, *turn], add_generation_prompt=False) - base)
+        except Exception:  # noqa: BLE001 - a template that refuses this turn after a system message
+            pass
+    return count_tokens(tokenizer, turn, add_generation_prompt=False)
