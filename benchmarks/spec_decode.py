@@ -16,6 +16,10 @@ same input-grounded chat requests at batch 1 go to it on the same GGUF file and 
 with its prompt-lookup drafting (``--spec-type ngram-simple``: its defaults, lookup n-gram 12 and drafts up to 48
 tokens, and one matched to ours, n-gram 4 and 4 drafts); its responses' ``timings`` give draft and accepted counts.
 
+The fp32 rows (``--draft-workloads``): the same file dequantized as the unquantized target, with and without its
+own 4-bit weights as the draft model (``--draft-num-speculative-tokens``, 8 by default; the draft reads the
+target's KV cache unless ``--draft-own-cache``), batch 1.
+
 Usage:
     .venv/bin/python -m benchmarks.spec_decode [--num-speculative-tokens 4] [--max-tokens 160] [--no-adaptive]
 Writes benchmarks/results/spec_decode.json and prints a table.
@@ -144,6 +148,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--draft-num-speculative-tokens", type=int, default=8,
+                    help="the fp32 target's 4-bit self-draft rows (it agrees with the target almost always)")
+    ap.add_argument("--draft-own-cache", action="store_true",
+                    help="the self-draft keeps a KV cache of its own (share_kv_cache false)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--no-adaptive", action="store_true", help="verify every draft (no cost model)")
     ap.add_argument("--batches", default="1,8,32")
@@ -190,7 +198,8 @@ def main() -> None:
     if args.draft_workloads:
         fp32 = load_model(args.model)  # the same file dequantized: the unquantized target
         draft_cfg = {"method": "draft_model", "quantization": "auto",
-                     "num_speculative_tokens": args.num_speculative_tokens, "adaptive": not args.no_adaptive}
+                     "num_speculative_tokens": args.draft_num_speculative_tokens, "adaptive": not args.no_adaptive,
+                     "share_kv_cache": False if args.draft_own_cache else None}
         base32 = LLM(loaded=fp32, quantization="none", kv_cache_memory=512 << 20)
         spec32 = LLM(loaded=fp32, quantization="none", kv_cache_memory=512 << 20, speculative_config=draft_cfg)
         for name in args.draft_workloads.split(","):

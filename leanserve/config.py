@@ -163,6 +163,9 @@ class SpeculativeConfig:
     # Per step, propose only as many tokens as each request's running acceptance rate makes worth their measured
     # verification cost (False: always propose up to num_speculative_tokens)
     adaptive: bool = True
+    # draft_model: the draft reads and writes the target's KV cache instead of its own (None: when the draft is the
+    # target's own file, whose K/V projections it shares; True elsewhere needs the same layer and head shapes)
+    share_kv_cache: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
@@ -175,6 +178,8 @@ class SpeculativeConfig:
                                         f"({self.prompt_lookup_min})")
         if not isinstance(self.adaptive, bool):
             raise InvalidParameterError("speculative_config.adaptive", "adaptive must be a boolean")
+        if self.share_kv_cache is not None and not isinstance(self.share_kv_cache, bool):
+            raise InvalidParameterError("speculative_config.share_kv_cache", "share_kv_cache must be a boolean")
         if self.model is not None and not isinstance(self.model, str):
             self.model = str(self.model)
         _check_choice("speculative_config.quantization", self.quantization, QUANTIZATION_METHODS)

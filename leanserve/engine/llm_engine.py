@@ -26,7 +26,7 @@ from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
 from leanserve.quantization.prefill_gemm import configure_prefill_gemm
 from leanserve.sampling_params import SamplingParams
-from leanserve.spec_decode.draft_model import DraftModelProposer
+from leanserve.spec_decode.draft_model import DraftModelProposer, shares_kv_cache
 from leanserve.spec_decode.ngram import NgramProposer
 from leanserve.spec_decode.policy import SpeculationPolicy, StepCostModel
 from leanserve.structured.grammar import GrammarState
@@ -102,8 +102,10 @@ class LLMEngine:
                 raise InvalidParameterError(
                     "speculative_config.model", f"the draft model's vocabulary ({draft_loaded.config.vocab_size} "
                     f"tokens) differs from the target's ({cfg.vocab_size}): drafts must be the target's tokens")
-            # its KV cache uses the target's blocks: each block holds both models' K/V
-            self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
+            self._share_draft_kv = shares_kv_cache(spec.share_kv_cache, loaded.path, cfg, draft_loaded.path,
+                                                  draft_loaded.config)
+            if not self._share_draft_kv:  # its own KV cache on the target's blocks: each block holds both models' K/V
+                self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
         self.model = model_class(cfg)(cfg, loaded.weights, dtype=dtype, device=self.device,
@@ -159,9 +161,13 @@ class LLMEngine:
                                    max_position=max(self.max_model_len, draft_loaded.config.max_position_embeddings),
                                    quantization=spec.quantization, group_size=config.quantization_group_size,
                                    native_kernels=config.use_native_kernels)
-                draft_caches = allocate_kv_cache(draft, num_blocks, config.block_size,
-                                                 kv_cache_dtype=config.kv_cache_dtype)
-                self.drafter = DraftModelProposer(draft, draft_caches, config.block_size, config.use_native_kernels)
+                if self._share_draft_kv:
+                    draft_caches = kv_caches
+                else:
+                    draft_caches = allocate_kv_cache(draft, num_blocks, config.block_size,
+                                                     kv_cache_dtype=config.kv_cache_dtype)
+                self.drafter = DraftModelProposer(draft, draft_caches, config.block_size, config.use_native_kernels,
+                                                  shares_target_cache=self._share_draft_kv)
             cost = draft_cost = None
             if spec.adaptive:
                 # up to 64 rows (~0.5 s at start on 2 CPU cores); more rows are extrapolated linearly

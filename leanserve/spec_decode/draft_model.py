@@ -12,18 +12,50 @@ lacks (the pending token and the drafts accepted in the last step; the whole pro
 preemption), which yields the first draft, then runs one batched decode per further draft. A draft written at a
 position the target rejects is overwritten later: only positions below the target's ``num_computed_tokens`` are
 trusted.
+
+A self-draft (the target's own file at fewer bits) shares the target's KV cache instead (:func:`shares_kv_cache`):
+no second cache, no prefill of its own, and a catch-up of the pending token alone, a one-row decode.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from leanserve.config import ModelConfig
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
+from leanserve.errors import InvalidParameterError
 from leanserve.model.llama import LlamaModel
 from leanserve.worker.model_runner import ModelRunner
 
 import torch
+
+
+def shares_kv_cache(requested: bool | None, target_path: str, target: ModelConfig, draft_path: str,
+                    draft: ModelConfig) -> bool:
+    """Whether the draft model reads and writes the target's KV cache (``speculative_config.share_kv_cache``).
+
+    None (the default) shares when the draft is the target's own file: its K/V projections are the target's, so the
+    target's cached K/V is what the draft would compute up to the rounding of its own weights, and the draft needs
+    neither a prefill of its own nor a second cache. True shares whenever the layer and head shapes match (the
+    drafts of a different model then read the target's K/V: they stay correct, since the target verifies every
+    token, but are likelier to be rejected).
+
+    Raises:
+        InvalidParameterError: True for a draft whose layers, KV heads or head size differ from the target's.
+    """
+    shapes = (target.num_layers, target.num_kv_heads, target.head_dim) == \
+        (draft.num_layers, draft.num_kv_heads, draft.head_dim)
+    if requested is None:
+        return shapes and os.path.realpath(target_path) == os.path.realpath(draft_path)
+    if requested and not shapes:
+        raise InvalidParameterError(
+            "speculative_config.share_kv_cache", f"the draft's KV cache shape (layers, KV heads, head size) "
+            f"{(draft.num_layers, draft.num_kv_heads, draft.head_dim)} differs from the target's "
+            f"{(target.num_layers, target.num_kv_heads, target.head_dim)}: it cannot share the target's cache")
+    return requested
+
 
 # A catch-up of more tokens than this runs as a prefill chunk; fewer run as decode rows of consecutive positions.
 CATCH_UP_DECODE_ROWS = 8
@@ -57,14 +89,22 @@ class DraftModelProposer:
 
     Args:
         model: the draft decoder (same vocabulary as the target).
-        kv_caches: its per-layer caches, ``[num_blocks, block_size, ...]`` with the target's num_blocks.
+        kv_caches: its per-layer caches, ``[num_blocks, block_size, ...]`` with the target's num_blocks: its own,
+            or the target's caches themselves when ``shares_target_cache``.
         block_size: tokens per block (the target's).
         use_native_kernels: use the compiled decode attention where it applies.
+        shares_target_cache: ``kv_caches`` are the target's (see :func:`shares_kv_cache`). The draft then reads the
+            target's K/V of every computed position (prompt, prefix-cache hits, accepted tokens) and catches up on
+            the pending token only; it writes its K/V at positions from the target's ``num_computed_tokens`` on,
+            the lookahead slots that the target's verification of the same step overwrites with its own K/V
+            before anything reads them.
     """
 
-    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int, use_native_kernels: bool = True) -> None:
+    def __init__(self, model: LlamaModel, kv_caches: list, block_size: int, use_native_kernels: bool = True,
+                 shares_target_cache: bool = False) -> None:
         self.model = model
         self.runner = ModelRunner(model, kv_caches, block_size, sampler=None, use_native_kernels=use_native_kernels)
+        self.shares_target_cache = shares_target_cache
         self._valid: dict[str, tuple[int, int]] = {}  # request id -> (its num_preemptions, draft KV positions)
 
     def reset(self, request_id: str) -> None:
@@ -80,7 +120,12 @@ class DraftModelProposer:
         views = []
         for req, _, _ in items:
             seen = self._valid.get(req.request_id)
-            valid = 0 if seen is None or seen[0] != req.num_preemptions else min(seen[1], req.num_computed_tokens)
+            if self.shares_target_cache:
+                valid = req.num_computed_tokens  # the target's K/V
+            elif seen is None or seen[0] != req.num_preemptions:
+                valid = 0
+            else:
+                valid = min(seen[1], req.num_computed_tokens)
             views.append(_DraftView(req, valid))
         drafts = [v.drafts for v in views]
         active = [i for i, (_, _, k) in enumerate(items) if k > 0]

@@ -145,7 +145,8 @@ def test_per_request_opt_out_and_bad_configs(loaded_auto):
     assert len(out[0].outputs[0].token_ids) > 0 and spec.engine.get_stats().spec_num_drafts == 0
     for bad, field in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-                       ({"quantization": "fp8"}, "quantization"), ({"draft": 1}, "draft"), ("{not json", None)):
+                       ({"quantization": "fp8"}, "quantization"), ({"draft": 1}, "draft"),
+                       ({"share_kv_cache": "yes"}, "share_kv_cache"), ("{not json", None)):
         with pytest.raises(InvalidParameterError) as exc:
             SpeculativeConfig.parse(bad)
         assert exc.value.param == ("speculative_config" if field is None else f"speculative_config.{field}")
@@ -164,15 +165,20 @@ def test_a_draft_identical_to_the_target_is_always_accepted(loaded):
     assert_no_leaks(spec.engine)
 
 
-def test_the_4bit_self_draft_of_an_fp32_target_keeps_its_greedy_output(loaded):
+@pytest.mark.parametrize("share", [None, False], ids=["target-cache", "own-cache"])
+def test_the_4bit_self_draft_of_an_fp32_target_keeps_its_greedy_output(loaded, share):
     tok = loaded.tokenizer
     longest = max(len(tok.encode(tok.apply_chat_template(c), add_special_tokens=False)) for c in CONVS) + 32
-    base, spec = engines(loaded, spec=DRAFT_4BIT, quantization="none")
+    cfg = {**DRAFT_4BIT, "share_kv_cache": share}
+    base, spec = engines(loaded, spec=cfg, quantization="none")
+    # the self-draft reads the target's K/V by default (no cache of its own); with its own, each block holds both
+    assert spec.engine.drafter.shares_target_cache is (share is None)
+    assert spec.engine.kv_bytes_per_token == base.engine.kv_bytes_per_token * (1 if share is None else 2)
     want = tokens(base.chat(CONVS, greedy(32, ignore_eos=True), use_tqdm=False))
     assert [tokens(spec.chat(c, greedy(32, ignore_eos=True), use_tqdm=False))[0] for c in CONVS[:2]] == want[:2]
     assert tokens(spec.chat(CONVS, greedy(32, ignore_eos=True), use_tqdm=False)) == want  # batch, prefix hits
     # under preemption: room for about two requests at a time (both models' K/V share the blocks)
-    tight = LLM(loaded=loaded, quantization="none", speculative_config=DRAFT_4BIT,
+    tight = LLM(loaded=loaded, quantization="none", speculative_config=cfg,
                 kv_cache_memory=int(longest * 1.5) * spec.engine.kv_bytes_per_token)
     assert tokens(tight.chat(CONVS, greedy(32, ignore_eos=True), use_tqdm=False)) == want
     assert tight.engine.get_stats().num_preemptions > 0
@@ -192,3 +198,18 @@ def test_a_draft_with_another_vocabulary_is_refused_at_startup(loaded, monkeypat
     with pytest.raises(InvalidParameterError, match="vocabulary") as exc:
         LLM(loaded=loaded, kv_cache_memory=16 << 20, speculative_config=DRAFT_4BIT)
     assert exc.value.param == "speculative_config.model"
+
+
+def test_sharing_the_target_cache_needs_its_shape(loaded, monkeypatch):
+    import dataclasses
+
+    import leanserve.engine.llm_engine as llm_engine
+
+    other = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, num_kv_heads=1))
+    monkeypatch.setattr(llm_engine, "load_model", lambda path, quantization="none": other)
+    with pytest.raises(InvalidParameterError, match="KV cache shape") as exc:
+        LLM(loaded=loaded, kv_cache_memory=16 << 20, speculative_config={**DRAFT_4BIT, "share_kv_cache": True})
+    assert exc.value.param == "speculative_config.share_kv_cache"
+    # by default a draft of another shape keeps its own cache
+    spec = LLM(loaded=loaded, kv_cache_memory=16 << 20, speculative_config=DRAFT_4BIT)
+    assert not spec.engine.drafter.shares_target_cache
