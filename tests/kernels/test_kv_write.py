@@ -5,7 +5,6 @@ torch fallback (no native kernels, other devices) stores the same."""
 
 from __future__ import annotations
 
-
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.kernels import native_ops
 from leanserve.model import attention
