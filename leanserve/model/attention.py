@@ -12,6 +12,9 @@ prefill chunks, one contiguous run of tokens per sequence.
   query heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
 * With the native kernel (``leanserve/kernels/paged_attention.cpp``, float32 on CPU) all decodes are one call that
   reads each sequence's blocks in place, with no gather and no padding.
+* New keys and values go into the cache through the slot mapping: on CPU (float32 or float16 cache) one native
+  call per layer (``write_kv_``, ``leanserve/kernels/kv_write.cpp``, also the fused decode's KV write), else
+  ``index_copy_``; the stored bits are the same.
 * An int8 KV cache (:class:`leanserve.quantization.kv_cache.Int8KVCache`) is written quantized and read through
   the torch path: only the gathered blocks are dequantized, to the query dtype (the native kernel is fp32-only).
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
