@@ -13,7 +13,7 @@ peak of temporaries, not more). The KV pools do not depend on this (their own ma
 
 Not applied when ``$LEANSERVE_MALLOC_TUNING`` is ``0``, when any of glibc's own ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_TOP_PAD_`` is set (the user's settings win), or when the C library is not
-glibc (musl, macOS: a no-op). Measured effect: README.md ("CPU speed").
+glibc (musl, macOS: a no-op). Measured effect: README.md ("CPU kernels", "Memory of the hot paths").
 """
 
 from __future__ import annotations
