@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
-            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp")
+            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
-_HEADERS = ("spin_pool.h", "simd_exp.h")
+_HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
 ISA_ENV = "LEANSERVE_KERNEL_ISA"
 # Instruction-set paths: "native" compiles for this CPU (AVX-512 and VNNI where present); "avx2" turns AVX-512 and
@@ -123,6 +123,8 @@ def native_ops() -> ModuleType | None:
     * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row;
     * ``lane_dequant_bf16``, ``bf16_gemm``, ``bf16_gemm_simd`` (lane_dequant.cpp): prefill products of lane-layout
       weights through a bf16 scratch copy and an AVX512_BF16 GEMM with fp32 output;
+    * ``write_kv_`` (kv_write.cpp, kv_write.h): a layer's new K/V rows into its float32 or float16 paged cache
+      through the slot mapping (the fused decode's KV write too);
     * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,
       bitwise equal to the per-op path (leanserve/model/fused_decode.py builds it).
     """

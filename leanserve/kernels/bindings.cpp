@@ -23,6 +23,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16);
 bool prefill_attention_bf16_simd();
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slot_mapping);
 void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -42,5 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots)");
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
         "whether paged_prefill_attention has its AVX512_BF16 path");
+  m.def("write_kv_", &write_kv_, "new K/V rows into the paged cache through the slot mapping (float32 or float16)");
   bind_decode_layers(m);
 }

@@ -20,6 +20,8 @@
 // Errors: c10::Error (RuntimeError in Python) on a shape or dtype that does not match the layers.
 #include <torch/extension.h>
 
+#include "kv_write.h"
+
 #include <cstring>
 #include <vector>
 
@@ -86,11 +88,9 @@ class DecodeLayers {
       float* vc = v_caches_[l].data_ptr<float>();
       const float* qp = qkv.data_ptr<float>();
       const int64_t row = qkv.size(1);
-      for (int64_t t = 0; t < M; ++t) {  // the KV write: index_copy_ of the k and v rows
-        TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot out of range");
-        std::memcpy(kc + slots[t] * kv_size, qp + t * row + q_size, kv_size * sizeof(float));
-        std::memcpy(vc + slots[t] * kv_size, qp + t * row + q_size + kv_size, kv_size * sizeof(float));
-      }
+      // the KV write (kv_write.h, shared with write_kv_): index_copy_ of the k and v columns through the slots
+      leanserve::write_kv_rows(qp + q_size, qp + q_size + kv_size, row, D, row, D, slots, M, kv_heads_, D, kc, vc,
+                               slots_total);
       auto q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
       auto attn = paged_decode_attention(q, k_caches_[l], v_caches_[l], block_table, seq_lens, scale);
       auto o = lane_quant_gemm(attn.view({M, q_size}), w[6], w[7], w[8], b[1]);

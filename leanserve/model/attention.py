@@ -12,6 +12,9 @@ prefill chunks, one contiguous run of tokens per sequence.
   query heads that share a KV head (GQA) are laid out as that head's queries, so no KV head is repeated.
 * With the native kernel (``leanserve/kernels/paged_attention.cpp``, float32 on CPU) all decodes are one call that
   reads each sequence's blocks in place, with no gather and no padding.
+* New keys and values go into the cache through the slot mapping: on CPU (float32 or float16 cache) one native
+  call per layer (``write_kv_``, ``leanserve/kernels/kv_write.cpp``, also the fused decode's KV write), else
+  ``index_copy_``; the stored bits are the same.
 * An int8 KV cache (:class:`leanserve.quantization.kv_cache.Int8KVCache`) is written quantized and read through
   the torch path: only the gathered blocks are dequantized, to the query dtype (the native kernel is fp32-only).
 * Each prefill chunk is one call: with no earlier context its own K/V are used with a causal mask; after a
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from leanserve.kernels import native_ops
 from leanserve.quantization.kv_cache import Int8KVCache
 
 import torch
@@ -92,14 +96,34 @@ class AttentionMetadata:
 
 def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values ([T, kv_heads, head_dim]) in the cache slots ``slot_mapping`` ([T] int64)."""
+    """Store new keys/values ([T, kv_heads, head_dim]) in the cache slots ``slot_mapping`` ([T] int64), converted
+    to the cache's dtype. A float32 or float16 cache on CPU with float32 keys is written by one native call
+    (``write_kv_``, leanserve/kernels/kv_write.cpp), bitwise what the torch path (``index_copy_`` of
+    ``k.to(cache dtype)``) stores; an int8 cache quantizes (:meth:`Int8KVCache.write`)."""
     if isinstance(k_cache, Int8KVCache):
         k_cache.write(k, slot_mapping)
         v_cache.write(v, slot_mapping)
         return
+    native = _native_kv_write(k_cache, k, v)
+    if native is not None:
+        native(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _native_kv_write(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[..., None] | None:
+    """The native ``write_kv_`` where it applies (CPU, float32 keys and values with contiguous heads, a contiguous
+    float32 / float16 cache), else None (the torch path: no native kernels, CUDA, other dtypes or layouts)."""
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _NATIVE_CACHE_DTYPES or k.dtype != torch.float32
+            or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1 or not k_cache.is_contiguous()):
+        return None
+    ext = native_ops()
+    return getattr(ext, "write_kv_", None) if ext is not None else None
+
+
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 def _gather(cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,8 +153,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         [T, num_heads, head_dim] attention output, scaled by 1/sqrt(head_dim).
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if isinstance(k_cache, torch.Tensor) and k_cache.dtype != k.dtype:
-        # a float16 cache: this step's keys/values as the cache holds them, so a token's attention reads the same
+    if (isinstance(k_cache, torch.Tensor) and k_cache.dtype != k.dtype and meta.prefill_kernel is None
+            and any(p.context_len == 0 for p in meta.prefills)):
+        # a float16 cache and a chunk that attends to its own new keys/values (the torch prefill path; every other
+        # path reads them from the cache): them as the cache holds them, so a token's attention reads the same
         # values whether its context was computed in this step, an earlier chunk or came from the prefix cache
         k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]

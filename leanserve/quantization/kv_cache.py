@@ -14,27 +14,25 @@ from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.quantization import check_kv_cache_dtype
+from leanserve.quantization.anon_memory import anonymous_zeros
 
-import numpy as np
 import torch
 
 SCALE_BYTES = 4  # float32 scale per token and KV head
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 
 
-# numpy dtypes of the same width, for the CPU allocation in :func:`zeroed` (bf16 has none: int16 bits)
-_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.int8: np.int8}
-
-
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """An all-zero tensor of ``shape`` and ``dtype`` on ``device``: a KV cache pool.
 
-    On CPU it comes from ``calloc`` (``numpy.zeros``): zero by contract, and the kernel maps a large one's pages
-    lazily, so a pool costs no time and no resident memory until its blocks are first written (``torch.zeros``
-    writes every byte at allocation). Elsewhere ``torch.zeros``.
+    On CPU it is its own anonymous memory mapping (:func:`leanserve.quantization.anon_memory.anonymous_zeros`):
+    zero by contract, mapped lazily by the kernel, so a pool costs no time and no resident memory until its blocks
+    are first written (``torch.zeros`` writes every byte at allocation), 2 MiB aligned with transparent huge pages
+    asked for (``MADV_HUGEPAGE``), whatever malloc's settings; unmapped when the tensor is freed. Elsewhere
+    ``torch.zeros``.
     """
-    if torch.device(device).type == "cpu" and dtype in _NUMPY_OF:
-        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)
+    if torch.device(device).type == "cpu":
+        return anonymous_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
