@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -180,9 +181,19 @@ class SpeculativeConfig:
             raise InvalidParameterError("speculative_config.adaptive", "adaptive must be a boolean")
         if self.share_kv_cache is not None and not isinstance(self.share_kv_cache, bool):
             raise InvalidParameterError("speculative_config.share_kv_cache", "share_kv_cache must be a boolean")
-        if self.model is not None and not isinstance(self.model, str):
-            self.model = str(self.model)
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise InvalidParameterError("speculative_config.model",
+                                        "model must be a path (a GGUF file or an HF folder)")
         _check_choice("speculative_config.quantization", self.quantization, QUANTIZATION_METHODS)
+        # a field of the other method is a mistake in the config (it would do nothing): name it
+        other = {"ngram": {"model": None, "quantization": "auto", "share_kv_cache": None},
+                 "draft_model": {"prompt_lookup_min": 1, "prompt_lookup_max": 4}}[self.method]
+        for name, default in other.items():
+            if getattr(self, name) != default:
+                raise InvalidParameterError(f"speculative_config.{name}", f"{name} does not apply to method "
+                                            f"{self.method!r} (it is a field of the other method)")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

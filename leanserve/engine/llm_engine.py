@@ -17,7 +17,7 @@ from leanserve.core.scheduler import Scheduler, SchedulerOutput
 from leanserve.core.sliding_window import SlidingWindowBlocks, local_pool_size, sliding_window_block_counts
 from leanserve.engine.admission import AdmittedRequest, RequestAdmission
 from leanserve.engine.output_processor import OutputProcessor, ParentState
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import InvalidParameterError, ModelLoadError
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
@@ -98,7 +98,11 @@ class LLMEngine:
         spec = config.speculative_config
         draft_loaded = None
         if spec is not None and spec.method == "draft_model":
-            draft_loaded = load_model(spec.model or loaded.path, quantization=spec.quantization)
+            try:
+                draft_loaded = load_model(spec.model or loaded.path, quantization=spec.quantization)
+            except ModelLoadError as exc:
+                raise InvalidParameterError("speculative_config.model", f"the draft model cannot be loaded: {exc}") \
+                    from exc
             if draft_loaded.config.vocab_size != cfg.vocab_size:
                 raise InvalidParameterError(
                     "speculative_config.model", f"the draft model's vocabulary ({draft_loaded.config.vocab_size} "
@@ -343,6 +347,21 @@ class LLMEngine:
         if self.spec_policy is not None:
             (self.proposer if self.proposer is not None else self.drafter).reset(request_id)
             self.spec_policy.reset(request_id)
+
+    def describe(self) -> str:
+        """One line on what serves: weights, prefill GEMM, KV cache, speculation (logged at server start)."""
+        c, spec = self.config, self.speculative_config
+        kv = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({c.dtype})"
+        gemm = f", prefill GEMM {self.prefill_gemm}" if c.quantization != "none" else ""
+        line = (f"weights {c.quantization}, dtype {c.dtype}{gemm}, KV cache {kv} "
+                f"({self.kv.num_blocks} blocks of {c.block_size} tokens)")
+        if spec is None:
+            return line + ", no speculative decoding"
+        line += f", speculative decoding {spec.method} (up to {spec.num_speculative_tokens} drafts"
+        if self.drafter is not None:
+            own = "its own cache" if not self._share_draft_kv else "the target's KV cache"
+            line += f", draft {spec.model or 'the target file'} at {spec.quantization}, on {own}"
+        return line + ")"
 
     def get_stats(self) -> EngineStats:
         """Current counters."""

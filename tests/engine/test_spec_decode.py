@@ -146,7 +146,10 @@ def test_per_request_opt_out_and_bad_configs(loaded_auto):
     for bad, field in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
                        ({"quantization": "fp8"}, "quantization"), ({"draft": 1}, "draft"),
-                       ({"share_kv_cache": "yes"}, "share_kv_cache"), ("{not json", None)):
+                       ({"share_kv_cache": "yes"}, "share_kv_cache"), ({"model": 5}, "model"),
+                       ({"method": "ngram", "share_kv_cache": True}, "share_kv_cache"),
+                       ({"method": "ngram", "model": "x.gguf"}, "model"),
+                       ({"method": "draft_model", "prompt_lookup_max": 9}, "prompt_lookup_max"), ("{not json", None)):
         with pytest.raises(InvalidParameterError) as exc:
             SpeculativeConfig.parse(bad)
         assert exc.value.param == ("speculative_config" if field is None else f"speculative_config.{field}")
@@ -198,6 +201,11 @@ def test_a_draft_with_another_vocabulary_is_refused_at_startup(loaded, monkeypat
     with pytest.raises(InvalidParameterError, match="vocabulary") as exc:
         LLM(loaded=loaded, kv_cache_memory=16 << 20, speculative_config=DRAFT_4BIT)
     assert exc.value.param == "speculative_config.model"
+    monkeypatch.undo()
+    for path in ("/nonexistent.gguf", __file__):  # missing, not a model: the error names the field
+        with pytest.raises(InvalidParameterError, match="draft model cannot be loaded") as exc:
+            LLM(loaded=loaded, kv_cache_memory=16 << 20, speculative_config={**DRAFT_4BIT, "model": path})
+        assert exc.value.param == "speculative_config.model"
 
 
 def test_sharing_the_target_cache_needs_its_shape(loaded, monkeypatch):

@@ -130,3 +130,20 @@ def test_tokenize_detokenize(server, client):
     chat = client.post("/tokenize", json={"messages": MSGS}).json()
     usage = client.post(CHAT, json={"messages": MSGS, "max_tokens": 1}).json()["usage"]
     assert chat["count"] == usage["prompt_tokens"]
+
+
+NULL_IS_DEFAULT = {CHAT: ("logprobs", "n", "stream", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                          "skip_special_tokens", "speculative", "priority", "add_generation_prompt",
+                          "parallel_tool_calls", "reorder_documents"),
+                   COMPLETIONS: ("echo", "n", "stream", "min_tokens", "speculative")}
+
+
+def test_null_is_the_default(server, client):
+    # OpenAI's API treats null as an omitted field: same answer as without it (greedy), not a 400
+    for path, fields in NULL_IS_DEFAULT.items():
+        body = {"messages": MSGS} if path == CHAT else {"prompt": "Hello"}
+        body |= {"temperature": 0, "max_tokens": 4}
+        want = client.post(path, json=body).json()["choices"][0]
+        got = client.post(path, json=body | dict.fromkeys(fields)).json()["choices"][0]
+        assert (got.get("message") or got.get("text")) == (want.get("message") or want.get("text"))
+        assert got["logprobs"] is None and want["logprobs"] is None

@@ -455,6 +455,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, models:
         return 2
     step_lock = StepLock() if len(specs) > 1 and sc.serialize_model_steps else None
     llm_engines = [LLMEngine(s.engine) for s in specs]  # all loaded before any engine thread steps
+    for name, e in zip(names, llm_engines, strict=True):
+        logger.info("%s: %s", name, e.describe())
     limit = min(e.max_model_len for e in llm_engines)
     if sc.history_summary_tokens and sc.history_summary_tokens >= limit:  # as the request field
         sock.close()

@@ -158,14 +158,14 @@ class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None  # None: the served model
-    n: int = 1
+    n: int | None = 1
     temperature: float | None = None  # None: 1.0 (OpenAI's default)
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -180,13 +180,13 @@ class SamplingFields(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    speculative: bool = True  # leanserve: False turns the server's speculative decoding off for this request
-    priority: int = 0
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    speculative: bool | None = True  # leanserve: False turns the server's speculative decoding off for this request
+    priority: int | None = 0
     # vLLM's structured outputs (one constraint at most, also counting chat's response_format)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -195,12 +195,17 @@ class SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = None
     # context optimization (leanserve.context; reported in usage.leanserve)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens; -1 = the model's limit
-    cache: bool | None = True  # leanserve: false bypasses the server's answer cache (--answer-cache); null: true
+    cache: bool | None = True  # leanserve: false bypasses the server's answer cache (--answer-cache)
 
-    @field_validator("cache")
+    @model_validator(mode="before")
     @classmethod
-    def _cache_null_is_absent(cls, value: bool | None) -> bool:
-        return True if value is None else value
+    def _null_is_absent(cls, data: Any) -> Any:
+        """``null`` for a field with a non-null default means the default (as OpenAI's API treats it)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: fields[k].default if v is None and k in fields and fields[k].default is not None else v
+                    for k, v in data.items()}
+        return data
 
 
 class Document(OpenAIBaseModel):
@@ -228,15 +233,15 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[Document] | None = None  # passages; the query is the last user message
     max_context_tokens: int | None = Field(None, ge=1)  # token budget of the passages kept
     top_k_documents: int | None = Field(None, ge=1)  # most passages kept
-    reorder_documents: bool = True  # the most relevant passages at both ends ("lost in the middle")
+    reorder_documents: bool | None = True  # the most relevant passages at both ends ("lost in the middle")
     max_tokens: int | None = None  # None: until the model stops or the context is full
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
 
@@ -249,7 +254,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt tokens with this many alternatives (0..20)
     # the chat request's context fields (passages, history): refused here with a 400 naming the field, not
