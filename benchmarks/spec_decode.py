@@ -215,7 +215,8 @@ def main() -> None:
                    "mean_acceptance_length": 1 + counts["accepted"] / counts["drafts"] if counts["drafts"] else None}
             rows.append(row)
             print(f"{row['workload']:<38} batch 1: off {off:6.1f} tok/s  on {on:6.1f} tok/s  {on / off:5.2f}x  "
-                  f"acceptance {row['acceptance_rate'] or 0:.2f}  same tokens {row['same_tokens']}", flush=True)
+                  f"acceptance {row['acceptance_rate'] or 0:.2f}  mean length {row['mean_acceptance_length'] or 0:.2f}"
+                  f"  same tokens {row['same_tokens']}", flush=True)
     peer_rows = []
     binary = None if args.no_llama_cpp else find_llama_server(args.llama_server)
     if binary:
