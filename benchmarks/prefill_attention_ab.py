@@ -3,16 +3,14 @@
 heads on 3 KV heads, head size 64, blocks of 16 scattered over a random fp32 cache), calls of the two builds
 alternating so that a shared machine's load hits both alike; best of ``--repeats`` per chunk and build.
 
-A build is named by its key (``leanserve.kernels.build_key(isa)`` in the checkout that built it; the new one defaults
-to this checkout's key for ``--isa``, built here if it is not yet). With ``--threads 1`` (the default) a call is
-timed by its thread's CPU time (``time.thread_time``), which leaves out the time the thread waited for a core on a
-busy machine; the two builds' outputs are compared (max |difference|, both within the kernel's 1e-5 of float64).
+The old build is a baseline source tree's (e.g. ``git archive <commit> leanserve | tar -x -C /tmp/base``, or another
+checkout; built or found by a subprocess, as ``benchmarks.lane_rows`` does), the new one this checkout's, both for
+the instruction-set path of ``$LEANSERVE_KERNEL_ISA``. With ``--threads 1`` (the default) a call is timed by its
+thread's CPU time (``time.thread_time``), which leaves out the time the thread waited for a core on a busy machine;
+the two builds' outputs are compared (max |difference|; both are within the kernel's 1e-5 of float64). Usage:
 
-Usage (the old key printed by the old checkout, e.g. ``cd /path/to/old && LEANSERVE_KERNEL_ISA=avx2 python -c
-"from leanserve.kernels import build_native_ops, build_key; build_native_ops('avx2'); print(build_key('avx2'))"``):
-
-    .venv/bin/python -m benchmarks.prefill_attention_ab --old-key KEY [--new-key KEY] [--isa avx2] [--threads 1]
-        [--repeats 7] [--out PATH]
+    LEANSERVE_KERNEL_ISA=avx2 .venv/bin/python -m benchmarks.prefill_attention_ab --baseline /tmp/base
+        [--threads 1] [--repeats 7] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,42 +19,28 @@ import argparse
 import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
-from leanserve.kernels import _built_copy, _import_extension, build_key, build_native_ops
+from leanserve.kernels import kernel_isa, native_ops
 
 import torch
 
 from benchmarks.common import write_json
+from benchmarks.lane_rows import baseline_ext
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def load_build(key: str):
-    """The extension built under ``key`` (its ``.built.so`` copy in torch's extensions directory).
-
-    Raises:
-        FileNotFoundError: no finished build of that key on this machine."""
-    name = f"leanserve_kernels_{key}"
-    path = _built_copy(name)
-    if not path.exists():
-        raise FileNotFoundError(f"no build {name} at {path}: build it in its checkout first")
-    return _import_extension(name, path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old-key", required=True)
-    ap.add_argument("--new-key", default=None, help="default: this checkout's build key for --isa")
-    ap.add_argument("--isa", default="avx2", choices=["native", "avx2"])
+    ap.add_argument("--baseline", required=True, help="source tree of the old build")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    new_key = args.new_key or build_key(args.isa)
-    if args.new_key is None:
-        build_native_ops(args.isa)
-    builds = {"old": load_build(args.old_key), "new": load_build(new_key)}
+    builds = {"old": baseline_ext(args.baseline), "new": native_ops()}
+    if builds["new"] is None:
+        raise SystemExit("this checkout's native kernels did not build")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     g = torch.Generator().manual_seed(0)
@@ -86,7 +70,8 @@ def main() -> None:
     print(f"{args.prompt}-token prompt, one layer: old {total['old'] * 1e3:.2f} ms  new {total['new'] * 1e3:.2f} ms  "
           f"{total['old'] / total['new']:.2f}x")
     if args.out:
-        write_json(args.out, {"isa": args.isa, "old_key": args.old_key, "new_key": new_key, "threads": args.threads,
+        write_json(args.out, {"isa": kernel_isa(), "baseline": args.baseline, "old": builds["old"].__name__,
+                              "new": builds["new"].__name__, "threads": args.threads,
                               "chunks": rows, "total_old_ms": total["old"] * 1e3, "total_new_ms": total["new"] * 1e3,
                               "speedup": total["old"] / total["new"]})
 
