@@ -259,6 +259,9 @@ template <int64_t kD>
 struct F32Worker {
   using T = float;
   static constexpr int64_t kPV = std::max<int64_t>(1, 16 / (kD / W));  // rows per P V group (16 accumulators)
+  // rows per scores group (tile rows are padded to a multiple): 8 with AVX-512 (32 zmm), 6 with AVX2 (16 ymm:
+  // 6 rows x 16 keys = 12 accumulators, 2 key vectors, 1 broadcast)
+  static constexpr int64_t kSRows = W == 8 ? 6 : kRows;
   static int64_t k_size(const Args& a) { return kD * a.BS; }
   static int64_t v_size(const Args& a) { return kD * a.BS; }
   static void pack(const Args& a, int64_t j, int64_t kh, float* kt, float* vb) {
@@ -281,12 +284,12 @@ struct F32Worker {
   const float* vb = nullptr;
   std::vector<float> qs, s, acc, m, l, c;
   F32Worker(const Args& args, const Packed<float>& pk)
-      : a(args), packed(pk), qs(kTileQ * args.G * kD), s(kTileQ * args.G * args.BS),
+      : a(args), packed(pk), qs((kTileQ * args.G + kSRows) * kD), s((kTileQ * args.G + kSRows) * args.BS),
         acc(kTileQ * args.G * kD), m(kTileQ * args.G), l(kTileQ * args.G * W), c(kTileQ * args.G) {}
 
   void task(int64_t kh, int64_t i0, int64_t nq) {
     const int64_t G = a.G, BS = a.BS, rows = nq * G;
-    const int64_t padded = (rows + kRows - 1) / kRows * kRows;
+    const int64_t padded = (rows + kSRows - 1) / kSRows * kSRows;
     for (int64_t r = 0; r < padded; ++r) {
       if (r < rows) std::memcpy(&qs[r * kD], a.q + ((i0 + r / G) * a.H + kh * G + r % G) * kD, kD * sizeof(float));
       else std::fill(&qs[r * kD], &qs[r * kD] + kD, 0.f);
@@ -300,14 +303,22 @@ struct F32Worker {
       vb = packed.vblock(kh, j);
       // rows r >= first see this block (query position ctx + i0 + r / G >= j * BS)
       const int64_t first = std::max<int64_t>(0, j * BS - a.ctx - i0) * G;
-      for (int64_t r0 = first / kRows * kRows; r0 < padded; r0 += kRows) scores(r0);
+      for (int64_t r0 = first / kSRows * kSRows; r0 < padded; r0 += kSRows) {
+        if constexpr (W == 8) scores8(r0);
+        else scores(r0);
+      }
       for (int64_t r = first; r < rows; ++r) {
         const int64_t valid = std::min(BS, a.ctx + i0 + r / G - j * BS + 1);
         c[r] = softmax_step(&s[r * BS], BS, valid, a.scale, m[r], &l[r * W]);
       }
       int64_t r = first;
-      for (; r + kPV <= rows; r += kPV) pv<kPV>(r);
-      for (; r < rows; ++r) pv<1>(r);
+      if constexpr (W == 8) {
+        for (; r + 3 <= rows; r += 3) pv8<3>(r);
+        for (; r < rows; ++r) pv8<1>(r);
+      } else {
+        for (; r + kPV <= rows; r += kPV) pv<kPV>(r);
+        for (; r < rows; ++r) pv<1>(r);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* o = a.out + ((i0 + r / G) * a.H + kh * G + r % G) * kD;
@@ -354,6 +365,62 @@ struct F32Worker {
     }
     for (int64_t r = 0; r < R; ++r)
       for (int64_t v = 0; v < kV; ++v) Isa::store(&acc[(r0 + r) * kD + v * W], x[r][v]);
+  }
+
+  // AVX2 (16 ymm registers) scores of rows r0 .. r0 + kSRows: per 16 keys, one FMA chain per (row, 8 keys) over d
+  // in order (12 accumulators; the 2 key vectors of d are loaded once for all rows). Every row runs the same
+  // instructions whatever its group.
+  void scores8(int64_t r0) {
+    constexpr int64_t R = kSRows;
+    const int64_t BS = a.BS;
+    const float* qr = &qs[r0 * kD];
+    for (int64_t cv = 0; cv < BS; cv += 2 * W) {
+      Vec x0[R], x1[R];
+      for (int64_t r = 0; r < R; ++r) x0[r] = x1[r] = Isa::zero();
+      for (int64_t d = 0; d < kD; ++d) {
+        const Vec k0 = Isa::load(&kt[d * BS + cv]), k1 = Isa::load(&kt[d * BS + cv + W]);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          const Vec qv = Isa::set1(qr[r * kD + d]);
+          x0[r] = Isa::fmadd(qv, k0, x0[r]);
+          x1[r] = Isa::fmadd(qv, k1, x1[r]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        Isa::store(&s[(r0 + r) * BS + cv], x0[r]);
+        Isa::store(&s[(r0 + r) * BS + cv + W], x1[r]);
+      }
+    }
+  }
+
+  // AVX2 P V of rows r0 .. r0 + R, 4 output vectors (32 dims) at a time: R x 4 accumulators, R broadcasts of p and
+  // one value vector in registers (R = 3: 16 ymm). Lane for lane the same arithmetic as pv (acc * c, then one FMA
+  // per key in order).
+  template <int64_t R>
+  void pv8(int64_t r0) {
+    constexpr int64_t kV = kD / W, kC = 4;
+    const int64_t BS = a.BS;
+    for (int64_t v0 = 0; v0 < kV; v0 += kC) {
+      Vec x[R][kC];
+      for (int64_t r = 0; r < R; ++r) {
+        const Vec cr = Isa::set1(c[r0 + r]);
+        for (int64_t v = 0; v < kC; ++v) x[r][v] = Isa::mul(Isa::load(&acc[(r0 + r) * kD + (v0 + v) * W]), cr);
+      }
+      const float* vt = vb + v0 * W;
+      for (int64_t t = 0; t < BS; ++t, vt += kD) {
+        Vec p[R];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) p[r] = Isa::set1(s[(r0 + r) * BS + t]);
+#pragma GCC unroll 8
+        for (int64_t v = 0; v < kC; ++v) {
+          const Vec vv = Isa::load(vt + v * W);
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < R; ++r) x[r][v] = Isa::fmadd(p[r], vv, x[r][v]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t v = 0; v < kC; ++v) Isa::store(&acc[(r0 + r) * kD + (v0 + v) * W], x[r][v]);
+    }
   }
 };
 
