@@ -96,7 +96,7 @@ class LLMEngine:
             set_num_threads(config.num_threads)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, config.kv_cache_dtype, config.dtype)
         spec = config.speculative_config
-        draft_loaded = None
+        draft_loaded, share_draft_kv = None, False
         if spec is not None and spec.method == "draft_model":
             try:
                 draft_loaded = load_model(spec.model or loaded.path, quantization=spec.quantization)
@@ -107,9 +107,9 @@ class LLMEngine:
                 raise InvalidParameterError(
                     "speculative_config.model", f"the draft model's vocabulary ({draft_loaded.config.vocab_size} "
                     f"tokens) differs from the target's ({cfg.vocab_size}): drafts must be the target's tokens")
-            self._share_draft_kv = shares_kv_cache(spec.share_kv_cache, loaded.path, cfg, draft_loaded.path,
-                                                  draft_loaded.config)
-            if not self._share_draft_kv:  # its own KV cache on the target's blocks: each block holds both models' K/V
+            share_draft_kv = shares_kv_cache(spec.share_kv_cache, loaded.path, cfg, draft_loaded.path,
+                                             draft_loaded.config)
+            if not share_draft_kv:  # its own KV cache on the target's blocks: each block holds both models' K/V
                 self.kv_bytes_per_token += kv_bytes_per_token(draft_loaded.config, config.kv_cache_dtype, "float32")
         if config.kv_cache_memory is not None:  # checked before the weights load, so a bad value fails at once
             self._num_kv_blocks(config.kv_cache_memory)
@@ -166,13 +166,13 @@ class LLMEngine:
                                    max_position=max(self.max_model_len, draft_loaded.config.max_position_embeddings),
                                    quantization=spec.quantization, group_size=config.quantization_group_size,
                                    native_kernels=config.use_native_kernels)
-                if self._share_draft_kv:
+                if share_draft_kv:
                     draft_caches = kv_caches
                 else:
                     draft_caches = allocate_kv_cache(draft, num_blocks, config.block_size,
                                                      kv_cache_dtype=config.kv_cache_dtype)
                 self.drafter = DraftModelProposer(draft, draft_caches, config.block_size, config.use_native_kernels,
-                                                  shares_target_cache=self._share_draft_kv)
+                                                  shares_target_cache=share_draft_kv)
             cost = draft_cost = None
             if spec.adaptive:
                 # up to 64 rows (~0.5 s at start on 2 CPU cores); more rows are extrapolated linearly
@@ -359,7 +359,7 @@ class LLMEngine:
             return line + ", no speculative decoding"
         line += f", speculative decoding {spec.method} (up to {spec.num_speculative_tokens} drafts"
         if self.drafter is not None:
-            own = "its own cache" if not self._share_draft_kv else "the target's KV cache"
+            own = "the target's KV cache" if self.drafter.shares_target_cache else "its own cache"
             line += f", draft {spec.model or 'the target file'} at {spec.quantization}, on {own}"
         return line + ")"
 

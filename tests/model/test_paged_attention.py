@@ -32,6 +32,24 @@ def dense_reference(q, keys, values):
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]  # [H, D]
 
 
+def scattered_block_tables(lens, block_size, num_blocks, gen, share=None):
+    """Block tables of sequences of ``lens`` tokens on random, scattered blocks of a ``num_blocks`` pool (one
+    randperm from ``gen``); ``share`` maps a sequence's index to an earlier one whose blocks it reuses. Returns the
+    tables (lists), the zero-padded [N, max_blocks] int64 table and the [N] seq_lens."""
+    share = share or {}
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for i, n in enumerate(lens):
+        if i in share:
+            tables.append(tables[share[i]])
+            continue
+        nb = -(-n // block_size)
+        tables.append(perm[used:used + nb])
+        used += nb
+    width = max(len(t) for t in tables)
+    return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [9, 12])
 @pytest.mark.parametrize("native", [True, False])
@@ -45,20 +63,12 @@ def test_decode_attention_matches_dense(native, heads, cache_dtype, kernel_isa):
     k_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(cache_dtype)
     lens = [1, 17, 100, 333]
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:  # scattered, non-contiguous blocks
-        nb = -(-n // BS)
-        tables.append(perm[used:used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor(lens)
+    tables, table, seq_lens = scattered_block_tables(lens, BS, num_blocks, gen)
     q = torch.randn(len(lens), heads, D, generator=gen)
     k_new = torch.randn(len(lens), KVH, D, generator=gen)
     v_new = torch.randn(len(lens), KVH, D, generator=gen)
     slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)])
-    mask = None if native else (torch.arange(width * BS)[None] < seq_lens[:, None]).view(len(lens), 1, 1, -1)
+    mask = None if native else (torch.arange(table.shape[1] * BS)[None] < seq_lens[:, None]).view(len(lens), 1, 1, -1)
     meta = AttentionMetadata(slot_mapping=slots, decode_groups=[DecodeGroup(0, len(lens), table, seq_lens, mask)],
                              decode_kernel=native_ops().paged_decode_attention if native else None)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
@@ -104,18 +114,8 @@ def test_native_kernel_against_float64(dim, group, cache_dtype, kernel_isa):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     lens = [1, 15, 16, 17, 250, 251, 252, 40, 333, 3]  # 250-252: the 1 + 2 rows of one sequence's verification
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for i, n in enumerate(lens):
-        if i in (5, 6):  # verification rows share the first row's blocks
-            tables.append(tables[4])
-            continue
-        nb = -(-n // block_size)
-        tables.append(perm[used:used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor(lens)
+    # verification rows 5 and 6 share the first row's (4's) blocks
+    _, table, seq_lens = scattered_block_tables(lens, block_size, num_blocks, gen, share={5: 4, 6: 4})
     q = torch.randn(len(lens), kv_heads * group, dim, generator=gen)
     out = ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
     ref = float64_attention(q, k_cache, v_cache, table, seq_lens)
@@ -138,15 +138,7 @@ def test_native_kernel_other_block_sizes(block_size, kernel_isa):
     k_cache = torch.randn(num_blocks, block_size, KVH, D, generator=gen).half()
     v_cache = torch.randn(num_blocks, block_size, KVH, D, generator=gen).half()
     lens = [1, block_size - 1, block_size + 5, 7 * block_size + 3, 300]
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // block_size)
-        tables.append(perm[used:used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor(lens)
+    _, table, seq_lens = scattered_block_tables(lens, block_size, num_blocks, gen)
     q = torch.randn(len(lens), 3 * KVH, D, generator=gen)
     out = ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, D ** -0.5)
     torch.testing.assert_close(out.double(), float64_attention(q, k_cache, v_cache, table, seq_lens), atol=2e-6,
