@@ -71,6 +71,9 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
         bf16, bf16x3 = Bf16Prefill(ext, hi, none), Bf16Prefill(ext, hi, lo)
         kernels["bf16: dequantize + bf16 GEMM"] = lambda x, b, t, ln: bf16.matmul(ln, x)
         kernels["bf16x3: dequantize + 3 bf16 products"] = lambda x, b, t, ln: bf16x3.matmul(ln, x)
+        if ext.amx_bf16_status() == "ready":  # the AMX engine beside the AVX512_BF16 one
+            amx = Bf16Prefill(ext, hi, none, "amx")
+            kernels["bf16 on AMX tiles"] = lambda x, b, t, ln: amx.matmul(ln, x)
         kernels["  of which lane_dequant_bf16 (bf16)"] = lambda x, b, t, ln: ext.lane_dequant_bf16(
             ln.codes, ln.d, ln._mn(), ln.bits, hi, none)
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}

@@ -24,7 +24,7 @@ from leanserve.model.llama import LlamaModel
 from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token
-from leanserve.quantization.prefill_gemm import configure_prefill_gemm
+from leanserve.quantization.prefill_gemm import configure_prefill_gemm, prefill_gemm_engine
 from leanserve.sampling_params import SamplingParams
 from leanserve.spec_decode.draft_model import DraftModelProposer, shares_kv_cache
 from leanserve.spec_decode.ngram import NgramProposer
@@ -352,7 +352,9 @@ class LLMEngine:
         """One line on what serves: weights, prefill GEMM, KV cache, speculation (logged at server start)."""
         c, spec = self.config, self.speculative_config
         kv = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({c.dtype})"
-        gemm = f", prefill GEMM {self.prefill_gemm}" if c.quantization != "none" else ""
+        engine = prefill_gemm_engine(self.model)
+        gemm = f", prefill GEMM {self.prefill_gemm}" + (f" on {engine}" if engine else "") \
+            if c.quantization != "none" else ""
         line = (f"weights {c.quantization}, dtype {c.dtype}{gemm}, KV cache {kv} "
                 f"({self.kv.num_blocks} blocks of {c.block_size} tokens)")
         if spec is None:

@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
-            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp")
+            "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp",
+            "amx_gemm.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
-_HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h")
+_HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h", "amx_gemm.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
 ISA_ENV = "LEANSERVE_KERNEL_ISA"
 # Instruction-set paths: "native" compiles for this CPU (AVX-512 and VNNI where present); "avx2" turns AVX-512 and
@@ -122,7 +123,9 @@ def native_ops() -> ModuleType | None:
     * ``f32_small_gemm`` (f32_gemm.cpp): float32 products of 1-8 rows, each weight row read once for all rows;
     * ``add_rms_norm_``, ``rope_`` (fused_ops.cpp): the residual add + RMSNorm and RoPE in one pass per row;
     * ``lane_dequant_bf16``, ``bf16_gemm``, ``bf16_gemm_simd`` (lane_dequant.cpp): prefill products of lane-layout
-      weights through a bf16 scratch copy and an AVX512_BF16 GEMM with fp32 output;
+      weights through a bf16 scratch copy and an AVX512_BF16 GEMM with fp32 output; ``amx_bf16_status``
+      (amx_gemm.cpp): whether this process may run ``bf16_gemm``'s AMX engine (CPUID, XCR0, the arch_prctl tile
+      permission), which runs the same product on AMX tiles;
     * ``write_kv_`` (kv_write.cpp, kv_write.h): a layer's new K/V rows into its float32 or float16 paged cache
       through the slot mapping (the fused decode's KV write too);
     * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,

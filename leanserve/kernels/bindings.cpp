@@ -19,7 +19,8 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_he
 bool bf16_gemm_simd();
 void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, int64_t bits, torch::Tensor hi,
                        torch::Tensor lo);
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine);
+std::string amx_bf16_status();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16);
 bool prefill_attention_bf16_simd();
@@ -39,7 +40,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
   m.def("bf16_gemm_simd", &bf16_gemm_simd, "whether bf16_gemm / lane_dequant_bf16 use AVX512_BF16");
   m.def("lane_dequant_bf16", &lane_dequant_bf16, "lane-layout w into pair-packed bf16 hi (and lo) buffers");
-  m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output");
+  m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output, on "
+        "the avx512_bf16, amx or amx_emulated engine", pybind11::arg("x"), pybind11::arg("hi"), pybind11::arg("lo"),
+        pybind11::arg("N"), pybind11::arg("engine") = "avx512_bf16");
+  m.def("amx_bf16_status", &amx_bf16_status, "whether this process can run AMX bf16 tiles: ready, or why not "
+        "(build, cpu, os, permission)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots)");
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,

@@ -22,11 +22,13 @@
 // three products of bf16x3 in the order above): the same instructions for a row whatever M and the row's place in
 // the call, so a row's result is bitwise independent of the other rows.
 #include <torch/extension.h>
+#include "amx_gemm.h"
 #include "spin_pool.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -268,7 +270,7 @@ void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, 
   }, /*spin=*/false);
 }
 
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N) {
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0 && N % 64 == 0 && N > 0, "K must be a multiple of 32 and N of 64");
@@ -276,14 +278,29 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int
     TORCH_CHECK((t == &lo && t->numel() == 0) ||
                 (t->dtype() == torch::kBFloat16 && t->is_contiguous() && t->numel() >= N * K),
                 "hi (and lo unless empty) must be contiguous bfloat16 buffers of at least N * K elements");
+  const bool amx = engine == "amx" || engine == "amx_emulated";
+  TORCH_CHECK(amx || engine == "avx512_bf16", "engine must be avx512_bf16, amx or amx_emulated, not ", engine);
+  TORCH_CHECK(engine != "amx" || leanserve::amx_bf16_status() == "ready",
+              "the AMX engine cannot run in this process: ", leanserve::amx_bf16_status());
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   auto xc = x.contiguous();
   const bool x3 = lo.numel() > 0;
-  auto xh = torch::empty({M, K}, x.options().dtype(torch::kBFloat16));
-  auto xl = x3 ? torch::empty({M, K}, x.options().dtype(torch::kBFloat16)) : torch::Tensor();
+  // the AMX engine reads whole blocks of rows: x's bf16 copies get zero rows up to the block
+  const int64_t block = amx ? leanserve::amx_row_block(x3) : 1, rows = (M + block - 1) / block * block;
+  auto xh = torch::empty({rows, K}, x.options().dtype(torch::kBFloat16));
+  auto xl = x3 ? torch::empty({rows, K}, x.options().dtype(torch::kBFloat16)) : torch::Tensor();
   split_rows(xc.data_ptr<float>(), M, K, bf16_ptr(xh), x3 ? bf16_ptr(xl) : nullptr);
-  if (x3) gemm_impl<true>(bf16_ptr(xh), bf16_ptr(xl), M, K, bf16_ptr(hi), bf16_ptr(lo), N, y.data_ptr<float>());
+  if (rows > M) {
+    xh.narrow(0, M, rows - M).zero_();
+    if (x3) xl.narrow(0, M, rows - M).zero_();
+  }
+  if (amx)
+    leanserve::amx_bf16_gemm(bf16_ptr(xh), x3 ? bf16_ptr(xl) : nullptr, M, K, bf16_ptr(hi),
+                             x3 ? bf16_ptr(lo) : nullptr, N, y.data_ptr<float>(), engine == "amx_emulated");
+  else if (x3) gemm_impl<true>(bf16_ptr(xh), bf16_ptr(xl), M, K, bf16_ptr(hi), bf16_ptr(lo), N, y.data_ptr<float>());
   else gemm_impl<false>(bf16_ptr(xh), nullptr, M, K, bf16_ptr(hi), nullptr, N, y.data_ptr<float>());
   return y;
 }
+
+std::string amx_bf16_status() { return leanserve::amx_bf16_status(); }

@@ -12,6 +12,13 @@ rows (the rest) run, per mode:
   about 2**-16 relative per product, three times the bf16 work.
 * ``auto``: ``bf16`` where the build has the AVX512_BF16 path (``ext.bf16_gemm_simd()``), else ``lane``.
 
+The bf16 modes' GEMM runs on one of two engines, fixed per process (:func:`resolve_bf16_engine`): ``avx512_bf16``
+(VDPBF16PS register tiles) or ``amx`` (Intel AMX TDPBF16PS tiles, leanserve/kernels/amx_gemm.cpp), where the CPU has
+AMX-BF16, the kernel manages tile state and grants this process the tile permission (``arch_prctl``), and a
+measurement at load finds it faster. ``$LEANSERVE_BF16_GEMM`` forces one (``avx512_bf16``, ``amx``; ``auto`` the
+default). Both compute the same sums of the same bf16 products in fp32; the order of each pair's two products
+differs, so their results may differ in the last bits, never a row's independence of the other rows.
+
 Prefill rows take the mode's path whatever their number (one row or thousands), and each kernel computes a row
 with the same instructions whatever the other rows are, so a prompt token's numbers do not depend on how the
 prompt was chunked, batched with decodes or served from the prefix cache. Decode rows and prefill rows of the same
@@ -22,12 +29,22 @@ GEMMs").
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from typing import Any
 
 from leanserve.config import PREFILL_GEMMS
 from leanserve.errors import InvalidParameterError
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+BF16_GEMM_ENV = "LEANSERVE_BF16_GEMM"
+# the engines of bf16_gemm (leanserve/kernels/lane_dequant.cpp); "amx_emulated" (the AMX tile program on a scalar
+# model of the tiles, for tests) is not offered here: it is orders of magnitude slower
+BF16_GEMM_ENGINES = ("avx512_bf16", "amx")
 
 
 class Bf16Prefill:
@@ -37,12 +54,13 @@ class Bf16Prefill:
         ext: the native kernels (``leanserve.kernels.native_ops()``).
         hi: bf16 buffer of at least out * in elements (the weight's bf16 rounding, pair-packed), shared.
         lo: bf16 buffer like ``hi`` for ``bf16x3`` (the rounding residue), or an empty tensor for ``bf16``.
+        engine: the GEMM engine, one of BF16_GEMM_ENGINES (or ``amx_emulated`` in tests).
     """
 
-    __slots__ = ("ext", "hi", "lo")
+    __slots__ = ("ext", "hi", "lo", "engine")
 
-    def __init__(self, ext: Any, hi: torch.Tensor, lo: torch.Tensor) -> None:
-        self.ext, self.hi, self.lo = ext, hi, lo
+    def __init__(self, ext: Any, hi: torch.Tensor, lo: torch.Tensor, engine: str = "avx512_bf16") -> None:
+        self.ext, self.hi, self.lo, self.engine = ext, hi, lo, engine
 
     @property
     def mode(self) -> str:
@@ -52,7 +70,44 @@ class Bf16Prefill:
         """``x @ w.T``: x [M, in] float32, w a lane-layout BlockQuantWeight whose out * in fits the buffers;
         returns [M, out] float32. Overwrites the shared buffers."""
         self.ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, self.hi, self.lo)
-        return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0])
+        return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine)
+
+
+def _time_engine(ext: Any, engine: str, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n: int) -> float:
+    """The best of three bf16_gemm calls' seconds on ``engine`` (after one warm-up call)."""
+    ext.bf16_gemm(x, hi, lo, n, engine)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        ext.bf16_gemm(x, hi, lo, n, engine)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, rows: int = 128) -> str:
+    """The bf16 GEMM engine of this process: ``$LEANSERVE_BF16_GEMM`` when set to an engine, else (``auto``)
+    ``amx`` when ``ext.amx_bf16_status()`` is ``ready`` and ``rows`` prefill rows of the weight ``w`` (a lane-layout
+    BlockQuantWeight, dequantized into ``hi`` / ``lo`` here) run faster on it than on ``avx512_bf16``, else
+    ``avx512_bf16``. One engine for all row counts: a prompt token's numbers must not depend on its chunk's size.
+
+    Raises:
+        ValueError: ``$LEANSERVE_BF16_GEMM`` is not auto or an engine, or asks for ``amx`` where this process
+            cannot run it (the status says why: build, cpu, os, permission)."""
+    asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower() or "auto"
+    if asked not in ("auto", *BF16_GEMM_ENGINES):
+        raise ValueError(f"${BF16_GEMM_ENV} must be auto or one of {', '.join(BF16_GEMM_ENGINES)}, not {asked!r}")
+    status = ext.amx_bf16_status()
+    if asked == "amx" and status != "ready":
+        raise ValueError(f"${BF16_GEMM_ENV}=amx, but this process cannot run AMX tiles ({status})")
+    if asked != "auto" or status != "ready":
+        return "avx512_bf16" if asked == "auto" else asked
+    ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi, lo)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0))
+    seconds = {e: _time_engine(ext, e, x, hi, lo, w.shape[0]) for e in BF16_GEMM_ENGINES}
+    engine = min(seconds, key=seconds.__getitem__)
+    logger.info("bf16 prefill GEMM engine %s (%d rows of a %dx%d weight: %s)", engine, rows, *w.shape,
+                ", ".join(f"{e} {s * 1e3:.2f} ms" for e, s in seconds.items()))
+    return engine
 
 
 def resolve_prefill_gemm(mode: str, ext: Any) -> str:
@@ -70,15 +125,8 @@ def resolve_prefill_gemm(mode: str, ext: Any) -> str:
     return mode if has else "lane"
 
 
-def configure_prefill_gemm(model: Any, mode: str) -> str:
-    """Sets the prefill kernel of every lane-layout BlockQuantWeight of ``model.layers`` (attributes of each
-    layer, ``__slots__`` included) to ``mode`` (resolved by :func:`resolve_prefill_gemm`), sharing one pair of
-    scratch buffers sized for the largest; the output head and the embedding keep the lane kernel (logits rows are
-    not prefill rows).
-    Returns the resolved mode. Calling it again replaces the previous setting.
-
-    Raises:
-        InvalidParameterError: an unknown mode."""
+def _lane_weights(model: Any) -> list[Any]:
+    """The lane-layout BlockQuantWeights among the attributes of ``model.layers`` (``__slots__`` included)."""
     from leanserve.quantization.weights import BlockQuantWeight
 
     def attributes(layer: Any) -> list[Any]:  # a plain object's or a __slots__ class's (Gemma3Layer) attributes
@@ -86,16 +134,36 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
             return list(vars(layer).values())
         return [getattr(layer, name, None) for name in getattr(type(layer), "__slots__", ())]
 
-    weights = [t for layer in getattr(model, "layers", []) for t in attributes(layer)
-               if isinstance(t, BlockQuantWeight) and t.lanes]
+    return [t for layer in getattr(model, "layers", []) for t in attributes(layer)
+            if isinstance(t, BlockQuantWeight) and t.lanes]
+
+
+def prefill_gemm_engine(model: Any) -> str | None:
+    """The bf16 GEMM engine ``configure_prefill_gemm`` gave ``model``'s prefill rows, or None (lane kernel)."""
+    prefill = next((w.prefill for w in _lane_weights(model) if w.prefill is not None), None)
+    return prefill.engine if prefill is not None else None
+
+
+def configure_prefill_gemm(model: Any, mode: str) -> str:
+    """Sets the prefill kernel of every lane-layout BlockQuantWeight of ``model.layers`` (attributes of each
+    layer, ``__slots__`` included) to ``mode`` (resolved by :func:`resolve_prefill_gemm`), sharing one pair of
+    scratch buffers sized for the largest and one GEMM engine (:func:`resolve_bf16_engine`, measured on the
+    largest); the output head and the embedding keep the lane kernel (logits rows are not prefill rows).
+    Returns the resolved mode. Calling it again replaces the previous setting.
+
+    Raises:
+        InvalidParameterError: an unknown mode.
+        ValueError: a bad ``$LEANSERVE_BF16_GEMM`` (see :func:`resolve_bf16_engine`)."""
+    weights = _lane_weights(model)
     ext = weights[0].ext if weights else None
     resolved = resolve_prefill_gemm(mode, ext)
     prefill = None
     if resolved != "lane" and weights:
-        size = max(w.shape[0] * w.shape[1] for w in weights)
+        largest = max(weights, key=lambda w: w.shape[0] * w.shape[1])
+        size = largest.shape[0] * largest.shape[1]
         hi = torch.empty(size, dtype=torch.bfloat16)
         lo = torch.empty(size if resolved == "bf16x3" else 0, dtype=torch.bfloat16)
-        prefill = Bf16Prefill(ext, hi, lo)
+        prefill = Bf16Prefill(ext, hi, lo, resolve_bf16_engine(ext, largest, hi, lo))
     for w in weights:
         w.prefill = prefill
     return resolved if weights else "lane"

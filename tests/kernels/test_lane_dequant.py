@@ -6,12 +6,19 @@ other rows, and BlockQuantWeight.matmul sends exactly its prefill rows there."""
 from __future__ import annotations
 
 import sys
+import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.config import EngineConfig
 from leanserve.errors import InvalidParameterError
 from leanserve.kernels import native_ops
-from leanserve.quantization.prefill_gemm import Bf16Prefill, configure_prefill_gemm, resolve_prefill_gemm
+from leanserve.quantization.prefill_gemm import (
+    BF16_GEMM_ENV,
+    Bf16Prefill,
+    configure_prefill_gemm,
+    resolve_bf16_engine,
+    resolve_prefill_gemm,
+)
 from leanserve.quantization.weights import INVARIANT_ROWS, BlockQuantWeight, GroupQuantized
 
 import pytest
@@ -143,3 +150,98 @@ def test_prefill_gemm_modes_resolve_and_bad_ones_are_rejected() -> None:
     assert all(t.prefill is shared for layer in m.layers for t in (layer.qkv, layer.down))
     assert shared.mode == "bf16x3" and shared.hi.numel() == OUT * IN == shared.lo.numel()  # sized for the largest
     assert configure_prefill_gemm(m, "lane") == "lane" and m.layers[1].down.prefill is None
+
+
+def _amx_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """TDPBF16PS's sums as the Intel SDM's pseudocode states them, in float32: per output, for each pair of k in
+    order, the even element's product added, then the odd one's (bf16 x bf16 products are exact in float32)."""
+    xb, wb = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + xb[:, k:k + 1] * wb[:, k]
+    return acc
+
+
+def test_amx_tile_program_is_the_pseudocode_and_rows_are_independent() -> None:
+    """The AMX engine's tile program, run on the emulated tiles (this test needs no AMX): each output is the
+    pseudocode's sequence of fp32 sums (bitwise), for row counts around the 32-row block, and bf16x3 stays within
+    its bound; the hardware engine runs the same program (next test)."""
+    ext = native_ops()
+    w = _weight("Q4_1")
+    hi, lo = _split(w)
+    x = torch.randn(70, IN, generator=torch.Generator().manual_seed(11))
+    ref = _amx_reference(x, _unpack(hi, OUT, IN).float())
+    full = ext.bf16_gemm(x, hi, E, OUT, "amx_emulated")
+    assert torch.equal(full, ref)
+    for m in (1, 15, 16, 17, 31, 33, 64):
+        assert torch.equal(ext.bf16_gemm(x[70 - m:], hi, E, OUT, "amx_emulated"), full[70 - m:]), m
+    # the engines sum the same products in other orders: equal within fp32 accumulation
+    mag = x.double().abs() @ _unpack(hi, OUT, IN).double().abs().T
+    assert ((ext.bf16_gemm(x, hi, E, OUT).double() - full.double()).abs() <= 2 * IN * 2.0**-24 * mag).all()
+    exact = x.double() @ w.dequantize().double().T
+    y3 = ext.bf16_gemm(x, hi, lo, OUT, "amx_emulated")
+    assert ((y3.double() - exact).abs() <= (3 * 2.0**-18 + 3 * IN * 2.0**-24) * mag).all()
+    for m in (1, 16, 17):
+        assert torch.equal(ext.bf16_gemm(x[:m], hi, lo, OUT, "amx_emulated"), y3[:m]), m
+    with pytest.raises(RuntimeError, match="engine must be"):
+        ext.bf16_gemm(x, hi, E, OUT, "amx2")
+
+
+@pytest.mark.skipif(native_ops() is None or native_ops().amx_bf16_status() != "ready",
+                    reason="this process cannot run AMX tiles (no AMX-BF16, or no tile permission)")
+def test_amx_hardware_equals_its_emulation() -> None:
+    ext = native_ops()
+    if ext.amx_bf16_status() != "ready":  # the forced AVX2 build has no AMX engine
+        pytest.skip(f"AMX engine: {ext.amx_bf16_status()}")
+    w = _weight("Q8_0")
+    hi, lo = _split(w)
+    x = torch.randn(130, IN, generator=torch.Generator().manual_seed(13))
+    for low in (E, lo):
+        hw, emu = ext.bf16_gemm(x, hi, low, OUT, "amx"), ext.bf16_gemm(x, hi, low, OUT, "amx_emulated")
+        mag = x.double().abs() @ _unpack(hi, OUT, IN).double().abs().T
+        assert ((hw.double() - emu.double()).abs() <= 2 * IN * 2.0**-24 * mag).all()
+        for m in (1, 17, 33):
+            assert torch.equal(ext.bf16_gemm(x[:m], hi, low, OUT, "amx"), hw[:m]), m
+
+
+def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
+    ext = native_ops()
+    w = _weight("Q4_1")
+    hi, lo = _split(w)
+    status = ext.amx_bf16_status()
+    assert status in ("ready", "build", "cpu", "os", "permission")
+    monkeypatch.setenv(BF16_GEMM_ENV, "avx512_bf16")
+    assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
+    monkeypatch.setenv(BF16_GEMM_ENV, "tiles")
+    with pytest.raises(ValueError, match=BF16_GEMM_ENV):
+        resolve_bf16_engine(ext, w, hi, E)
+    monkeypatch.setenv(BF16_GEMM_ENV, "amx")
+    if status == "ready":
+        assert resolve_bf16_engine(ext, w, hi, E) == "amx"
+    else:
+        with pytest.raises(ValueError, match=status):
+            resolve_bf16_engine(ext, w, hi, E)
+    monkeypatch.delenv(BF16_GEMM_ENV)
+
+    class Tiles:  # a machine whose AMX is ready: the engines are timed, the faster wins
+        def __init__(self, slow: str) -> None:
+            self.slow, self.calls = slow, []
+
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def amx_bf16_status(self) -> str:
+            return "ready"
+
+        def bf16_gemm(self, x, hi, lo, n, engine):
+            self.calls.append((x.shape[0], engine))
+            if engine == self.slow:
+                time.sleep(0.01)
+            return ext.bf16_gemm(x, hi, lo, n)
+
+    for slow, faster in (("avx512_bf16", "amx"), ("amx", "avx512_bf16")):
+        fake = Tiles(slow)
+        assert resolve_bf16_engine(fake, w, hi, E, rows=40) == faster
+        assert set(fake.calls) == {(40, "avx512_bf16"), (40, "amx")}
+    if status != "ready":  # auto without AMX: the AVX512_BF16 engine, nothing timed
+        assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
