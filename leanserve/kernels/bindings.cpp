@@ -7,7 +7,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor mn,
                                int64_t bits);
 torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
-                              int64_t bits);
+                              int64_t bits, c10::optional<torch::Tensor> out);
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor mn, int64_t bits,
                                torch::Tensor out_buf);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
@@ -19,7 +19,8 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_he
 bool bf16_gemm_simd();
 void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, int64_t bits, torch::Tensor hi,
                        torch::Tensor lo);
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine,
+                        c10::optional<torch::Tensor> out);
 std::string amx_bf16_status();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16);
@@ -31,7 +32,9 @@ void bind_decode_layers(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("block_quant_gemm", &block_quant_gemm, "x @ w.T for GGUF block-quantized w (Q4_1/Q4_0/Q8_0 layout)");
-  m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows)");
+  m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows), into out when "
+        "given", pybind11::arg("x"), pybind11::arg("lanes"), pybind11::arg("dl"), pybind11::arg("ml"),
+        pybind11::arg("bits"), pybind11::arg("out") = pybind11::none());
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
   m.def("kquant_gemm", &kquant_gemm, "x @ w.T for a GGUF Q4_K / Q6_K matrix in its file bytes (float32)");
   m.def("f32_small_gemm", &f32_small_gemm, "x @ w.T for float32 x [T <= 8, K] and w [N, K]");
@@ -42,7 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_dequant_bf16", &lane_dequant_bf16, "lane-layout w into pair-packed bf16 hi (and lo) buffers");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output, on "
         "the avx512_bf16, amx or amx_emulated engine", pybind11::arg("x"), pybind11::arg("hi"), pybind11::arg("lo"),
-        pybind11::arg("N"), pybind11::arg("engine") = "avx512_bf16");
+        pybind11::arg("N"), pybind11::arg("engine") = "avx512_bf16", pybind11::arg("out") = pybind11::none());
   m.def("amx_bf16_status", &amx_bf16_status, "whether this process can run AMX bf16 tiles: ready, or why not "
         "(build, cpu, os, permission)");
   m.def("paged_prefill_attention", &paged_prefill_attention,

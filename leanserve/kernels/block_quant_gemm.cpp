@@ -19,6 +19,7 @@
 //   d, mn   [N, K / 32] float16 (mn empty for 8-bit)
 // Returns y [M, N] float32. Rows of x are independent: a row's result does not depend on M or on the other rows.
 #include <torch/extension.h>
+#include "out_rows.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -688,9 +689,10 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
 }
 
 // x [M, K] float32 @ w.T with w in lane layout (see lane_tile): lanes [N / 64, K / 32, 8, 8 (4-bit) or 16 (8-bit), 8, 2]
-// bytes, dl and ml [N / 64, K / 32, 8, 8] float16 (ml empty for 8-bit). Returns y [M, N] float32.
+// bytes, dl and ml [N / 64, K / 32, 8, 8] float16 (ml empty for 8-bit). Returns y [M, N] float32: out when given
+// (a contiguous [M, N] float32 tensor, e.g. a block of rows of a larger output), else a new tensor.
 torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
-                              int64_t bits) {
+                              int64_t bits, c10::optional<torch::Tensor> out) {
   QuantizedRows xr(x, bits);
   const int64_t M = xr.M, K = xr.K, nb = xr.nb;
   TORCH_CHECK(lanes.is_contiguous() && lanes.dim() == 6 && lanes.size(1) == nb && lanes.size(2) == 8 &&
@@ -701,7 +703,7 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
               "dl must be [N/64, K/32, 8, 8] float16");
   TORCH_CHECK(bits == 8 || (ml.is_contiguous() && ml.dtype() == torch::kFloat16 && ml.numel() == N * nb),
               "ml must be [N/64, K/32, 8, 8] float16 for 4-bit weights");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = leanserve::output_rows(out, M, N, x.options());
   if (M == 0) return y;  // no rows: nothing to split into tasks
   const auto* wl = static_cast<const uint8_t*>(lanes.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(dl.data_ptr<at::Half>());

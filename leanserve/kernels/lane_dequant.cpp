@@ -14,7 +14,7 @@
 // block_dequantize does (4-bit: d * q + m, 8-bit: q * d, in fp32), written as hi = bf16(w) (round to nearest even)
 // and, when lo is non-empty, lo = bf16(w - hi) (then hi + lo carries 16 significant bits of w).
 //
-// bf16_gemm(x, hi, lo, N) -> y [M, N] float32: y[m, n] = sum over k of xh[m, k] * wh[n, k], xh = bf16(x); with lo
+// bf16_gemm(x, hi, lo, N, engine, out) -> y [M, N] float32 (out when given, see output_rows in spin_pool.h): y[m, n] = sum over k of xh[m, k] * wh[n, k], xh = bf16(x); with lo
 // ("bf16x3", after the split-precision schemes of e.g. Henry et al., "Leveraging the bfloat16 artificial
 // intelligence datatype for higher-precision computations", 2019): x = xh + xl as w = wh + wl, and
 // y = sum xh * wh + xh * wl + xl * wh (the xl * wl term, ~2**-16 relative, dropped), three times the products.
@@ -23,6 +23,7 @@
 // the call, so a row's result is bitwise independent of the other rows.
 #include <torch/extension.h>
 #include "amx_gemm.h"
+#include "out_rows.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -270,7 +271,8 @@ void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, 
   }, /*spin=*/false);
 }
 
-torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine) {
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int64_t N, const std::string& engine,
+                        c10::optional<torch::Tensor> out) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0 && N % 64 == 0 && N > 0, "K must be a multiple of 32 and N of 64");
@@ -282,7 +284,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int
   TORCH_CHECK(amx || engine == "avx512_bf16", "engine must be avx512_bf16, amx or amx_emulated, not ", engine);
   TORCH_CHECK(engine != "amx" || leanserve::amx_bf16_status() == "ready",
               "the AMX engine cannot run in this process: ", leanserve::amx_bf16_status());
-  auto y = torch::empty({M, N}, x.options());
+  auto y = leanserve::output_rows(out, M, N, x.options());
   if (M == 0) return y;
   auto xc = x.contiguous();
   const bool x3 = lo.numel() > 0;

@@ -66,11 +66,12 @@ class Bf16Prefill:
     def mode(self) -> str:
         return "bf16x3" if self.lo.numel() else "bf16"
 
-    def matmul(self, w: Any, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, w: Any, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ w.T``: x [M, in] float32, w a lane-layout BlockQuantWeight whose out * in fits the buffers;
-        returns [M, out] float32. Overwrites the shared buffers."""
+        returns [M, out] float32 (``out``, a contiguous [M, out] float32 tensor, when given). Overwrites the shared
+        buffers."""
         self.ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, self.hi, self.lo)
-        return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine)
+        return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine, out)
 
 
 def _time_engine(ext: Any, engine: str, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n: int) -> float:

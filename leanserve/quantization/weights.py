@@ -540,10 +540,12 @@ class BlockQuantWeight:
         t = x.shape[0]
         if self.lanes and self.prefill is not None and not invariant_rows and kernel_rows is not None \
                 and kernel_rows < t:  # prefill rows through the bf16 path
-            xf = x if x.dtype == torch.float32 else x.float()
+            xf = (x if x.dtype == torch.float32 else x.float()).contiguous()
             n = kernel_rows
-            y = self.prefill.matmul(self, xf[n:].contiguous())
-            y = torch.cat([self.kernel(xf[:n]), y]) if n else y
+            y = torch.empty(t, self.shape[0])  # decode rows and prefill rows written in place: no concatenation
+            if n:
+                self.kernel(xf[:n], out=y[:n])
+            self.prefill.matmul(self, xf[n:], out=y[n:])
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if bias is None else y + bias
         if self.lanes or invariant_rows:  # every row through the kernel
@@ -562,10 +564,16 @@ class BlockQuantWeight:
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if bias is None else y + bias
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` through the lane or block kernel at any M: x [M, in] float32, returns [M, out] float32."""
+    def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` through the lane or block kernel at any M: x [M, in] float32, returns [M, out] float32
+        (``out``, a contiguous [M, out] float32 tensor, when given: lane layout only).
+
+        Raises:
+            ValueError: ``out`` with the file layout."""
         if self.lanes:
-            return self.ext.lane_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
+            return self.ext.lane_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits, out)
+        if out is not None:
+            raise ValueError("the block kernel (file layout) allocates its output: out is for the lane layout")
         return self.ext.block_quant_gemm(x.contiguous(), self.codes, self.d, self._mn(), self.bits)
 
     def _mn(self) -> torch.Tensor:

@@ -245,3 +245,20 @@ def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
         assert set(fake.calls) == {(40, "avx512_bf16"), (40, "amx")}
     if status != "ready":  # auto without AMX: the AVX512_BF16 engine, nothing timed
         assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
+
+
+def test_kernels_write_into_a_given_output_or_refuse_a_wrong_one() -> None:
+    ext = native_ops()
+    w = _weight("Q4_1")
+    hi, _ = _split(w)
+    x = torch.randn(9, IN, generator=torch.Generator().manual_seed(17))
+    y = torch.full((12, OUT), 7.0)
+    ext.lane_quant_gemm(x[:4], w.codes, w.d, w._mn(), w.bits, y[1:5])
+    ext.bf16_gemm(x[4:], hi, E, OUT, "avx512_bf16", y[5:10])
+    assert torch.equal(y[1:5], w.kernel(x[:4])) and torch.equal(y[5:10], ext.bf16_gemm(x[4:], hi, E, OUT))
+    assert (y[0] == 7).all() and (y[10:] == 7).all()  # nothing outside the given rows
+    for bad in (torch.empty(4, OUT + 64), torch.empty(4, OUT, dtype=torch.float64), torch.empty(OUT, 4).T):
+        with pytest.raises(RuntimeError, match="out must be"):
+            ext.lane_quant_gemm(x[:4], w.codes, w.d, w._mn(), w.bits, bad)
+        with pytest.raises(RuntimeError, match="out must be"):
+            ext.bf16_gemm(x[:4], hi, E, OUT, "avx512_bf16", bad)
