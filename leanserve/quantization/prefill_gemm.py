@@ -74,22 +74,25 @@ class Bf16Prefill:
         return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine, out)
 
 
-def _time_engine(ext: Any, engine: str, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n: int) -> float:
-    """The best of three bf16_gemm calls' seconds on ``engine`` (after one warm-up call)."""
-    ext.bf16_gemm(x, hi, lo, n, engine)
+def _time_engine(ext: Any, engine: str, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor,
+                 n: int) -> tuple[float, torch.Tensor]:
+    """The best of three bf16_gemm calls' seconds on ``engine`` (after one warm-up call), and its output."""
+    y = ext.bf16_gemm(x, hi, lo, n, engine)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         ext.bf16_gemm(x, hi, lo, n, engine)
         best = min(best, time.perf_counter() - start)
-    return best
+    return best, y
 
 
 def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, rows: int = 128) -> str:
     """The bf16 GEMM engine of this process: ``$LEANSERVE_BF16_GEMM`` when set to an engine, else (``auto``)
     ``amx`` when ``ext.amx_bf16_status()`` is ``ready`` and ``rows`` prefill rows of the weight ``w`` (a lane-layout
-    BlockQuantWeight, dequantized into ``hi`` / ``lo`` here) run faster on it than on ``avx512_bf16``, else
-    ``avx512_bf16``. One engine for all row counts: a prompt token's numbers must not depend on its chunk's size.
+    BlockQuantWeight, dequantized into ``hi`` / ``lo`` here) run faster on it than on ``avx512_bf16`` and agree
+    with it (within 1e-4 of the largest output: the engines differ in fp32 summation order only; a disagreement is
+    logged as a warning and keeps ``avx512_bf16``), else ``avx512_bf16``. One engine for all row counts: a prompt
+    token's numbers must not depend on its chunk's size.
 
     Raises:
         ValueError: ``$LEANSERVE_BF16_GEMM`` is not auto or an engine, or asks for ``amx`` where this process
@@ -104,10 +107,16 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
         return "avx512_bf16" if asked == "auto" else asked
     ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi, lo)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0))
-    seconds = {e: _time_engine(ext, e, x, hi, lo, w.shape[0]) for e in BF16_GEMM_ENGINES}
-    engine = min(seconds, key=seconds.__getitem__)
+    runs = {e: _time_engine(ext, e, x, hi, lo, w.shape[0]) for e in BF16_GEMM_ENGINES}
+    (_, ref), (_, got) = runs["avx512_bf16"], runs["amx"]
+    scale = float(ref.abs().max())
+    if not float((got - ref).abs().max()) <= 1e-4 * scale:
+        logger.warning("the AMX engine's product disagrees with the AVX512_BF16 engine's (max difference %.3g of "
+                       "%.3g): serving on avx512_bf16", float((got - ref).abs().max()), scale)
+        return "avx512_bf16"
+    engine = min(runs, key=lambda e: runs[e][0])
     logger.info("bf16 prefill GEMM engine %s (%d rows of a %dx%d weight: %s)", engine, rows, *w.shape,
-                ", ".join(f"{e} {s * 1e3:.2f} ms" for e, s in seconds.items()))
+                ", ".join(f"{e} {t * 1e3:.2f} ms" for e, (t, _) in runs.items()))
     return engine
 
 

@@ -225,7 +225,7 @@ def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
 
     class Tiles:  # a machine whose AMX is ready: the engines are timed, the faster wins
         def __init__(self, slow: str) -> None:
-            self.slow, self.calls = slow, []
+            self.slow, self.calls, self.wrong = slow, [], None
 
         def __getattr__(self, name):
             return getattr(ext, name)
@@ -237,12 +237,16 @@ def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
             self.calls.append((x.shape[0], engine))
             if engine == self.slow:
                 time.sleep(0.01)
-            return ext.bf16_gemm(x, hi, lo, n)
+            y = ext.bf16_gemm(x, hi, lo, n)
+            return y * 1.001 if engine == self.wrong else y
 
     for slow, faster in (("avx512_bf16", "amx"), ("amx", "avx512_bf16")):
         fake = Tiles(slow)
         assert resolve_bf16_engine(fake, w, hi, E, rows=40) == faster
         assert set(fake.calls) == {(40, "avx512_bf16"), (40, "amx")}
+    fake = Tiles("avx512_bf16")
+    fake.wrong = "amx"  # faster but wrong (a broken tile path): not served
+    assert resolve_bf16_engine(fake, w, hi, E, rows=40) == "avx512_bf16"
     if status != "ready":  # auto without AMX: the AVX512_BF16 engine, nothing timed
         assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
 
