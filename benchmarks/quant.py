@@ -11,10 +11,13 @@ The engines are measured round-robin (repeat 1 of every config, then repeat 2, .
 processes on this shared machine hits them alike; medians are reported. Usage:
     .venv/bin/python -m benchmarks.quant [--repeats 3] [--decode-tokens 64] [--prefill-tokens 512,2048]
         [--no-llama-cpp] [--threads 2] [--b1-only] [--configs "int4 (native Q4_1)"] [--no-kernel-table]
-        [--interleave-peer]
-``--threads`` sets both engines' threads; ``--b1-only`` measures single-stream decode only (llama.cpp's
-``llama-bench`` tg and leanserve's, alternating per repeat) for the configs of ``--configs`` (comma-separated names;
-default: all). Writes benchmarks/results/quant.json and prints a table.
+        [--interleave-peer] [--llama-cpp-bin DIR [--llama-cpp-bin DIR2]]
+``--llama-cpp-bin`` is the folder of llama.cpp's llama-bench and llama-batched-bench (default: the AVX2-only build of
+``benchmarks/build_llama_cpp_avx2.sh`` when ``LEANSERVE_KERNEL_ISA=avx2`` is set and it is built, else the native
+build); a second one is measured in the same run, in the same turns, and its ratios printed too (e.g. the native
+peer beside the AVX2-only one). ``--threads`` sets both engines' threads; ``--b1-only`` measures single-stream
+decode only (llama.cpp's ``llama-bench`` tg and leanserve's, alternating per repeat) for the configs of ``--configs``
+(comma-separated names; default: all). Writes benchmarks/results/quant.json and prints a table.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from leanserve.loader import default_model_path, load_model
 
 import torch
 
-from benchmarks.common import corpus_text, find_llama_server, peer_env, write_json
+from benchmarks.common import corpus_text, peer_env, write_json
+from benchmarks.llama_cpp_build import LlamaCppBuild, resolve_llama_cpp_bin
 
 # name -> (quantization, use_native_kernels, prefill_gemm)
 CONFIGS = {"fp32": ("none", True, "auto"), "int8": ("int8", True, "auto"),
@@ -116,14 +120,14 @@ def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
 
 
 def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads: int = 2, b1_only: bool = False,
-              bench_only: bool = False) -> dict:
-    """llama.cpp's own numbers: ``llama-bench`` (tg at batch 1, pp at each of ``prefill_tokens``: keys
-    ``prefill_<n>_tok_s``, and ``prefill_tok_s`` for the first) and ``llama-batched-bench`` (tg at 32); with
-    ``b1_only``, tg at batch 1 alone; with ``bench_only``, ``llama-bench`` alone."""
-    server = find_llama_server(None)
-    if server is None:
+              bench_only: bool = False, build: LlamaCppBuild | None = None) -> dict:
+    """llama.cpp's own numbers from the binaries of ``build`` (None: none found): ``llama-bench`` (tg at batch 1, pp
+    at each of ``prefill_tokens``: keys ``prefill_<n>_tok_s``, and ``prefill_tok_s`` for the first) and
+    ``llama-batched-bench`` (tg at 32); with ``b1_only``, tg at batch 1 alone; with ``bench_only``, ``llama-bench``
+    alone."""
+    if build is None:
         return {"error": "llama.cpp binaries not found (build them as benchmarks/README.md says)"}
-    bin_dir = Path(server).parent
+    bin_dir = Path(build.bin)
     res: dict = {}
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-p",
                           "0" if b1_only else ",".join(map(str, prefill_tokens)), "-n", str(decode_tokens), "-r",
@@ -148,6 +152,48 @@ def llama_cpp(model: str, decode_tokens: int, prefill_tokens: list[int], threads
     return res
 
 
+def peer_builds(folders: list[str]) -> list[LlamaCppBuild | None]:
+    """The llama.cpp builds to measure, the first the one the ratios are of: each of ``folders``
+    (``--llama-cpp-bin``), else the default of :func:`resolve_llama_cpp_bin` (None: none found); prints which.
+
+    Raises:
+        SystemExit: a folder without an executable llama-bench."""
+    try:
+        builds = [resolve_llama_cpp_bin(f) for f in folders] if folders else [resolve_llama_cpp_bin()]
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    for b in builds:
+        print(f"llama.cpp peer: {b.bin} ({'AVX2-only build' if b.isa == 'avx2' else 'native build'})" if b
+              else "llama.cpp peer: not found")
+    forced = os.environ.get("LEANSERVE_KERNEL_ISA", "").strip().lower() == "avx2"
+    if forced and not folders and builds[0] and builds[0].isa != "avx2":
+        print("LEANSERVE_KERNEL_ISA=avx2 but the AVX2-only llama.cpp is not built (make llama-cpp-avx2): the peer "
+              "uses every instruction set the CPU has")
+    return builds
+
+
+def print_peer(results: dict, peer: dict, lengths: list[int]) -> None:
+    """The row of one llama.cpp build and leanserve's int4 configs' ratios to it (stored in ``peer``)."""
+    name = f"llama.cpp Q4_1 {peer.get('isa', '')}".strip()
+    print(f"{name:<22}{peer['decode_b1_tok_s']:>11.1f}{peer.get('decode_b32_tok_s') or 0:>12.1f}"
+          + "".join(f"{peer.get(f'prefill_{m}_tok_s', 0):>14.1f}" for m in lengths))
+    for conf, r in results.items():
+        if conf.startswith(("int4", "Q4_1 prefill")):
+            ratios = {m: r[f"prefill_{m}_tok_s"] / peer[f"prefill_{m}_tok_s"] for m in lengths
+                      if peer.get(f"prefill_{m}_tok_s")}
+            peer[f"prefill_ratio {conf}"] = ratios
+            print(f"{conf} prefill / {name}: " + ", ".join(f"{m}: {v:.2f}x" for m, v in ratios.items())
+                  + " (target >= 4x, AVX2 2x)")
+    if "int4 (native Q4_1)" in results:
+        r = results["int4 (native Q4_1)"]
+        peer["leanserve_q4_1_b1_ratio"] = r["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
+        line = f"leanserve native Q4_1 decode / {name}: b1 {peer['leanserve_q4_1_b1_ratio']:.2f}x"
+        if peer.get("decode_b32_tok_s"):
+            peer["leanserve_q4_1_b32_ratio"] = r["decode_b32_tok_s"] / peer["decode_b32_tok_s"]
+            line += f", b32 {peer['leanserve_q4_1_b32_ratio']:.2f}x"
+        print(line + " (b1 target >= 1.3x with AVX-512, 1.2x AVX2)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -162,18 +208,25 @@ def main() -> None:
     ap.add_argument("--interleave-peer", action="store_true",
                     help="run llama-bench once per repeat, before leanserve's configs (a shared machine's load then "
                     "hits both alike); its medians are reported")
+    ap.add_argument("--llama-cpp-bin", action="append", default=[], metavar="DIR",
+                    help="folder of llama-bench and llama-batched-bench (default: the AVX2-only build under "
+                    "LEANSERVE_KERNEL_ISA=avx2 when built, else the native build); given twice, the second build is "
+                    "measured in the same run beside the first")
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     args = ap.parse_args()
+    args.builds = [] if args.no_llama_cpp else peer_builds(args.llama_cpp_bin)
     if args.b1_only:
         return b1_main(args)
+    from leanserve.kernels import kernel_isa
+
     lengths = [int(v) for v in str(args.prefill_tokens).split(",")]
     names = [n.strip() for n in args.configs.split(",") if n.strip()] or list(CONFIGS)
 
     # llama.cpp first, alone on the machine (no leanserve engine or thread alive yet); with --interleave-peer its
     # llama-bench numbers are the medians of one run per repeat, each just before that repeat's leanserve configs
-    peer = {} if args.no_llama_cpp else llama_cpp(str(default_model_path()), args.decode_tokens,
-                                                  lengths, args.threads)
-    peer_runs: list[dict] = [peer] if peer else []
+    peers = [{**llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads, build=b),
+              **(b.record() if b else {})} for b in args.builds]
+    peer_runs: list[list[dict]] = [[p] for p in peers]
     loaded = load_model(None, quantization="auto")  # native weights; each config is built from them
     tok = loaded.tokenizer
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
@@ -187,9 +240,9 @@ def main() -> None:
     for llm in llms.values():  # warm-up
         decode_tok_s(llm, prompts[:1], 4)
     for rep in range(args.repeats):
-        if args.interleave_peer and not args.no_llama_cpp and rep:
-            peer_runs.append(llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads,
-                                       b1_only=False, bench_only=True))
+        for b, runs in zip(args.builds, peer_runs, strict=True) if args.interleave_peer and rep else ():
+            runs.append(llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads,
+                                  b1_only=False, bench_only=True, build=b))
         for name, llm in llms.items():
             raw[name]["decode_b1"].append(decode_tok_s(llm, prompts[:1], args.decode_tokens))
             raw[name]["decode_b32"].append(decode_tok_s(llm, prompts, args.decode_tokens))
@@ -199,12 +252,15 @@ def main() -> None:
             print(f"repeat {rep + 1} {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in raw[name].items()),
                   flush=True)
     results = {n: {f"{k}_tok_s": statistics.median(v) for k, v in r.items()} for n, r in raw.items()}
-    if len(peer_runs) > 1:  # medians of the interleaved llama-bench runs (llama-batched-bench: the first run's)
-        peer["llama_bench_runs"] = peer_runs[1:]
-        for key in ("decode_b1_tok_s", "prefill_tok_s", *(f"prefill_{m}_tok_s" for m in lengths)):
-            values = [r[key] for r in peer_runs if key in r]
-            if values:
-                peer[key] = statistics.median(values)
+    # medians of the interleaved llama-bench runs (llama-batched-bench: the first run's)
+    for peer, runs in zip(peers, peer_runs, strict=True):
+        if len(runs) > 1:
+            peer["llama_bench_runs"] = runs[1:]
+            for key in ("decode_b1_tok_s", "prefill_tok_s", *(f"prefill_{m}_tok_s" for m in lengths)):
+                values = [r[key] for r in runs if key in r]
+                if values:
+                    peer[key] = statistics.median(values)
+    peer = peers[0] if peers else {}
     for name, llm in llms.items():
         results[name]["weight_bytes"] = llm.engine.model.weight_bytes()
     kv32 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory).engine
@@ -222,30 +278,20 @@ def main() -> None:
         print(f"{name:<22}{r['decode_b1_tok_s']:>11.1f}{r['decode_b32_tok_s']:>12.1f}"
               + "".join(f"{r[f'prefill_{m}_tok_s']:>14.1f}" for m in lengths)
               + f"{vs:>12.2f}x{r['weight_bytes'] / 1e6:>12.1f}")
-    if "decode_b1_tok_s" in peer:
-        print(f"{'llama.cpp Q4_1':<22}{peer['decode_b1_tok_s']:>11.1f}{peer.get('decode_b32_tok_s') or 0:>12.1f}"
-              + "".join(f"{peer.get(f'prefill_{m}_tok_s', 0):>14.1f}" for m in lengths))
-        for name, r in results.items():
-            if name.startswith(("int4", "Q4_1 prefill")):
-                ratios = {m: r[f"prefill_{m}_tok_s"] / peer[f"prefill_{m}_tok_s"] for m in lengths
-                          if peer.get(f"prefill_{m}_tok_s")}
-                peer[f"prefill_ratio {name}"] = ratios
-                print(f"{name} prefill / llama.cpp: " + ", ".join(f"{m}: {v:.2f}x" for m, v in ratios.items())
-                      + " (target >= 4x)")
-        if "int4 (native Q4_1)" in results:
-            ratio = results["int4 (native Q4_1)"]["decode_b1_tok_s"] / peer["decode_b1_tok_s"]
-            print(f"\nleanserve native Q4_1 decode b1 / llama.cpp: {ratio:.2f}x (target >= 1.3x with AVX-512, "
-                  "1.2x AVX2)")
-            peer["leanserve_q4_1_b1_ratio"] = ratio
-    else:
-        print(f"llama.cpp: {peer}")
+    for p in peers:
+        if "decode_b1_tok_s" in p:
+            print_peer(results, p, lengths)
+        else:
+            print(f"llama.cpp: {p}")
     print(f"KV cache in {kv['memory_bytes'] >> 20} MiB: fp32 {kv['fp32_tokens']} tokens, int8 {kv['int8_tokens']} "
           f"tokens ({kv['ratio']:.2f}x; target >= 3.5x)")
     print(f"\nms per 3072x576 Q4_1 product (gate/up), by rows: {'':<4}" + "".join(f"{m:>8}" for m in KERNEL_ROWS))
     for name, row in kernels.items():
         print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in row))
     write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,
-                          "kv_cache": kv, "kernel_ms": kernels})
+                          **({"llama_cpp_others": peers[1:]} if len(peers) > 1 else {}),
+                          "kernel_isa": kernel_isa(), "kv_cache": kv,
+                          "kernel_ms": kernels})
 
 
 def b1_main(args: argparse.Namespace) -> None:
@@ -271,7 +317,8 @@ def b1_main(args: argparse.Namespace) -> None:
     raw: dict[str, list[float]] = {n: [] for n in [*names, "llama.cpp"]}
     for rep in range(args.repeats):
         if not args.no_llama_cpp:
-            peer = llama_cpp(str(default_model_path()), args.decode_tokens, 0, args.threads, b1_only=True)
+            peer = llama_cpp(str(default_model_path()), args.decode_tokens, 0, args.threads, b1_only=True,
+                             build=args.builds[0])
             raw["llama.cpp"].append(peer.get("decode_b1_tok_s", float("nan")))
         for name, llm in llms.items():
             raw[name].append(decode_tok_s(llm, prompt, args.decode_tokens))
@@ -281,7 +328,9 @@ def b1_main(args: argparse.Namespace) -> None:
     for k, v in med.items():
         ratio = f"  {v / med['llama.cpp']:.2f}x llama.cpp" if "llama.cpp" in med and k != "llama.cpp" else ""
         print(f"  {k:<22}{v:>8.1f}{ratio}")
+    build = args.builds[0] if args.builds else None
     write_json(args.out, {"mode": "b1-only", "threads": args.threads, "kernel_isa": kernel_isa(), "raw": raw,
+                          "llama_cpp": build.record() if build else {},
                           "decode_b1_tok_s": med,
                           "ratio_to_llama_cpp": {k: v / med["llama.cpp"] for k, v in med.items()
                                                  if "llama.cpp" in med and k != "llama.cpp"}})
