@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from leanserve.config import PREFILL_GEMMS
@@ -74,18 +73,6 @@ class Bf16Prefill:
         return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine, out)
 
 
-def _time_engine(ext: Any, engine: str, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor,
-                 n: int) -> tuple[float, torch.Tensor]:
-    """The best of three bf16_gemm calls' seconds on ``engine`` (after one warm-up call), and its output."""
-    y = ext.bf16_gemm(x, hi, lo, n, engine)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        ext.bf16_gemm(x, hi, lo, n, engine)
-        best = min(best, time.perf_counter() - start)
-    return best, y
-
-
 def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, rows: int = 128) -> str:
     """The bf16 GEMM engine of this process: ``$LEANSERVE_BF16_GEMM`` when set to an engine, else (``auto``)
     ``amx`` when ``ext.amx_bf16_status()`` is ``ready`` and ``rows`` prefill rows of the weight ``w`` (a lane-layout
@@ -107,7 +94,10 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
         return "avx512_bf16" if asked == "auto" else asked
     ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi, lo)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0))
-    runs = {e: _time_engine(ext, e, x, hi, lo, w.shape[0]) for e in BF16_GEMM_ENGINES}
+    from leanserve.quantization.weights import fastest_seconds
+
+    runs = {e: (fastest_seconds(lambda e=e: ext.bf16_gemm(x, hi, lo, w.shape[0], e)),
+                ext.bf16_gemm(x, hi, lo, w.shape[0], e)) for e in BF16_GEMM_ENGINES}
     (_, ref), (_, got) = runs["avx512_bf16"], runs["amx"]
     scale = float(ref.abs().max())
     if not float((got - ref).abs().max()) <= 1e-4 * scale:

@@ -108,7 +108,7 @@ BF16_GEMM_MAX_ROWS = 8
 NO_ROW_LIMIT = 1 << 62  # bf16_gemm_max_rows() where bf16 GEMMs are fast: every bf16 product stays in bf16
 
 
-def _fastest(f: Callable[[], object], repeats: int = 3) -> float:
+def fastest_seconds(f: Callable[[], object], repeats: int = 3) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``f`` after one warm-up call (load only adds time)."""
     f()
     times = []
@@ -131,7 +131,7 @@ def bf16_gemm_max_rows() -> int:
     for m in (64, 256):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         xb = x.to(torch.bfloat16)
-        if _fastest(lambda xb=xb: F.linear(xb, wb)) >= _fastest(lambda x=x: F.linear(x, w)):
+        if fastest_seconds(lambda xb=xb: F.linear(xb, wb)) >= fastest_seconds(lambda x=x: F.linear(x, w)):
             return BF16_GEMM_MAX_ROWS
     return NO_ROW_LIMIT
 
@@ -160,7 +160,7 @@ def torch_gemm_max_rows() -> int:
     for m in (64, 32, 16, 8, 4, 2):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         xn = x.numpy()
-        if _fastest(lambda x=x: F.linear(x, w)) < _fastest(lambda xn=xn: xn @ wnt):
+        if fastest_seconds(lambda x=x: F.linear(x, w)) < fastest_seconds(lambda xn=xn: xn @ wnt):
             return m
     return 0
 
