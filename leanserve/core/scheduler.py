@@ -162,6 +162,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, self._multiple(req))
+            if num_new == 0:
+                continue  # its next chunk waits for a step with room
             spec = self._drafts(req, budget, reserve=len(order) - idx - 1) if num_new == 1 else []
             if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
                 spec = []  # no room for the drafts: a plain decode (no preemption for speculation)
@@ -191,7 +193,7 @@ class Scheduler:
                 skipped.append(req)  # another long prompt is prefilling: let shorter requests pass
                 continue
             num_new = self._chunk(remaining, budget, self._multiple(req))
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
                 skipped.append(req)
                 continue
             num_long += self._is_long(remaining)
@@ -233,7 +235,10 @@ class Scheduler:
 
     def _chunk(self, remaining: int, budget: int, multiple: int = 1) -> int:
         """Tokens to compute now for a request with ``remaining`` uncomputed tokens and ``budget`` left in the
-        step; a piece that does not finish is cut to a multiple of ``multiple`` when that leaves one."""
+        step; a piece that does not finish is cut to a multiple of ``multiple`` when that leaves one. 0 (not this
+        step) where the budget left would give a piece shorter than ``min_chunk_tokens`` that does not finish the
+        request, unless the whole step budget is that short: a short piece would round differently from a chunk, so
+        a prompt's numbers would depend on the other requests of its steps."""
         n = min(remaining, budget)
         if self._is_long(n):
             n = self.long_prefill_token_threshold
@@ -245,6 +250,9 @@ class Scheduler:
                 n -= self.min_chunk_tokens - left
         if n < remaining and n // multiple * multiple >= self.min_chunk_tokens:
             n = n // multiple * multiple
+        full = self.max_num_batched_tokens
+        if n < min(remaining, self.min_chunk_tokens) and (full is None or full >= self.min_chunk_tokens):
+            return 0  # the step's other requests left only a short piece: wait for a step with room for a chunk
         return n
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[StepResult]:

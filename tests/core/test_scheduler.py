@@ -169,3 +169,29 @@ def test_chunks_leave_no_short_last_piece():
     s.add_request(req("b", 53))  # the budget forbids 53 at once: 45 now, 8 next
     sizes = [x.num_new_tokens for _ in range(2) for x in run_step(s)[0].scheduled]
     assert sizes == [45, 8]
+
+
+def test_no_short_first_piece_when_other_requests_hold_the_step():
+    """The budget the step's other requests leave never starts or continues a prompt with a piece shorter than
+    min_chunk_tokens (it would round differently from a chunk, so a prompt's numbers would depend on its
+    neighbours): the prompt waits a step; a piece that finishes it, or a whole step budget that short, is fine."""
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=24, max_model_len=2000, min_chunk_tokens=8)
+    s.add_request(req("a", 20, max_tokens=30))
+    b = req("b", 40)
+    b.prompt_token_ids[:] = [9] * 40  # no prefix-cache hit on "a"'s blocks
+    s.add_request(b)  # 4 tokens of budget left after "a": not a 4-token piece
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 20)]
+    out, _ = run_step(s)  # "a" decodes (1), "b" starts with 23 (a piece of at least 8)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 23)]
+    s.add_request(req("c", 3))  # 0 left for c this step, then a 3-token prompt fits whole
+    for _ in range(3):
+        out, _ = run_step(s)
+        pieces = [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+        assert all(n == 1 or n >= 8 or (rid == "c" and n == 3) for rid, n in pieces), pieces
+    assert s.requests["b"].num_computed_tokens >= 40 and s.requests["c"].num_computed_tokens >= 3  # no stall
+    kv = KVCacheManager(num_blocks=200, block_size=4)
+    tiny = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=5, max_model_len=2000, min_chunk_tokens=8)
+    tiny.add_request(req("d", 12))  # the whole budget is 5: pieces of 5 (the budget forces it), no stall
+    assert [x.num_new_tokens for _ in range(3) for x in run_step(tiny)[0].scheduled] == [5, 5, 2]

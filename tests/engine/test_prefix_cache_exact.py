@@ -70,3 +70,33 @@ def test_seeded_n_choices_repeat_exactly(loaded_auto):
     again = llm.chat(msgs, params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_prompt_arriving_among_running_requests_equals_alone(loaded_auto):
+    """A prompt that arrives while other requests hold all but one token of a step's budget does not start with a
+    1-token piece (which runs as a decode row, through other kernels than a chunk): it waits a step, and its output
+    is bitwise what it gets alone."""
+    llm = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, max_num_batched_tokens=24, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    words = tok.encode(STORY * 4)
+    prompt = words[:48]
+    alone = run(llm, prompt)
+    engine, pieces = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        pieces.extend(x.num_new_tokens for x in out.scheduled if x.request.request_id == "p")
+        return out
+
+    engine.scheduler.schedule = recording
+    engine.add_request("decoding", words[60:83], SamplingParams(max_tokens=30, ignore_eos=True))  # 23 tokens
+    engine.step()
+    # next steps: 1 decode + 23 of "prefilling", then 1 + its last 22: one token of budget left for "p"
+    engine.add_request("prefilling", words[90:135], SamplingParams(max_tokens=30, ignore_eos=True))  # 45
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert pieces[0] >= 8 and sum(pieces[:3]) >= 48, pieces  # no 1-token first piece
+    assert same(alone, outs["p"])
