@@ -237,8 +237,9 @@ def main() -> None:
             for name, (q, nk, pg) in CONFIGS.items() if name in names}
     raw: dict[str, dict[str, list[float]]] = {
         n: {"decode_b1": [], "decode_b32": [], "prefill": [], **{f"prefill_{m}": [] for m in lengths}} for n in llms}
-    for llm in llms.values():  # warm-up
+    for llm in llms.values():  # warm-up: a decode and a prefill (the first prefill of a process runs cold)
         decode_tok_s(llm, prompts[:1], 4)
+        prefill_tok_s(llm, long_ids[lengths[0]])
     for rep in range(args.repeats):
         for b, runs in zip(args.builds, peer_runs, strict=True) if args.interleave_peer and rep else ():
             runs.append(llama_cpp(str(default_model_path()), args.decode_tokens, lengths, args.threads,
@@ -274,10 +275,10 @@ def main() -> None:
     pre = "".join(f"{'prefill ' + str(m):>14}" for m in lengths)
     print(f"\n{'engine':<22}{'decode b1':>11}{'decode b32':>12}{pre}{'b32 vs fp32':>13}{'weights MB':>12}")
     for name, r in results.items():
-        vs = r["decode_b32_tok_s"] / base["decode_b32_tok_s"] if base else float("nan")
+        vs = f"{r['decode_b32_tok_s'] / base['decode_b32_tok_s']:>12.2f}x" if base else f"{'-':>13}"  # fp32 not run
         print(f"{name:<22}{r['decode_b1_tok_s']:>11.1f}{r['decode_b32_tok_s']:>12.1f}"
               + "".join(f"{r[f'prefill_{m}_tok_s']:>14.1f}" for m in lengths)
-              + f"{vs:>12.2f}x{r['weight_bytes'] / 1e6:>12.1f}")
+              + f"{vs}{r['weight_bytes'] / 1e6:>12.1f}")
     for p in peers:
         if "decode_b1_tok_s" in p:
             print_peer(results, p, lengths)
@@ -285,7 +286,8 @@ def main() -> None:
             print(f"llama.cpp: {p}")
     print(f"KV cache in {kv['memory_bytes'] >> 20} MiB: fp32 {kv['fp32_tokens']} tokens, int8 {kv['int8_tokens']} "
           f"tokens ({kv['ratio']:.2f}x; target >= 3.5x)")
-    print(f"\nms per 3072x576 Q4_1 product (gate/up), by rows: {'':<4}" + "".join(f"{m:>8}" for m in KERNEL_ROWS))
+    if kernels:
+        print(f"\nms per 3072x576 Q4_1 product (gate/up), by rows: {'':<4}" + "".join(f"{m:>8}" for m in KERNEL_ROWS))
     for name, row in kernels.items():
         print(f"{name:<52}" + "".join(f"{row[m]:>8.3f}" for m in row))
     write_json(args.out, {"cpu_count": os.cpu_count(), "raw": raw, "leanserve": results, "llama_cpp": peer,

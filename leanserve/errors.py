@@ -26,6 +26,19 @@ class ContextLengthExceededError(InvalidParameterError):
         super().__init__(param, message)
 
 
+class EnvironmentSettingError(LeanserveError, ValueError):
+    """An environment variable leanserve reads (e.g. ``LEANSERVE_KERNEL_ISA``) has a value it does not accept, or
+    one this machine cannot honour.
+
+    Attributes:
+        variable: the variable's name.
+    """
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(message)
+        self.variable = variable
+
+
 class ModelLoadError(LeanserveError):
     """A model file or folder cannot be read (missing, malformed, or of an unsupported architecture)."""
 

@@ -79,3 +79,20 @@ def test_history_summary_tokens_of_the_whole_context_is_refused_at_startup(capsy
     err = capsys.readouterr().err.strip()
     assert err == "error: --history-summary-tokens: history_summary_tokens must be less than the model's context " \
         "length (2048), got 100000"
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("LEANSERVE_KERNEL_ISA", "avx512", "$LEANSERVE_KERNEL_ISA must be one of native, avx2, not 'avx512'"),
+    ("LEANSERVE_BF16_GEMM", "tiles", "$LEANSERVE_BF16_GEMM must be auto or one of avx512_bf16, amx, not 'tiles'"),
+])
+def test_a_bad_kernel_environment_variable_is_one_error_line(variable, value, message, monkeypatch, capsys):
+    """A typo in a kernel switch fails the command (exit 2, one line), not a silent fall back to slower paths."""
+    from leanserve import kernels
+
+    monkeypatch.setenv(variable, value)
+    kernels.native_ops.cache_clear()
+    try:
+        assert main(["generate", "--prompt", "hi", "--max-tokens", "1", "--prefill-gemm", "lane"]) == 2
+    finally:
+        kernels.native_ops.cache_clear()  # rebuilt (a cached module) with the restored environment
+    assert capsys.readouterr().err.strip() == f"error: {message}"

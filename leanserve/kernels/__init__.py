@@ -71,10 +71,12 @@ def kernel_isa() -> str:
     """The instruction-set path asked for by ``$LEANSERVE_KERNEL_ISA`` ("native", the default, or "avx2").
 
     Raises:
-        ValueError: another value."""
+        EnvironmentSettingError: another value (a ValueError)."""
+    from leanserve.errors import EnvironmentSettingError
+
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if isa not in ISA_FLAGS:
-        raise ValueError(f"${ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {isa!r}")
+        raise EnvironmentSettingError(ISA_ENV, f"${ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {isa!r}")
     return isa
 
 
@@ -112,7 +114,8 @@ def _staged_sources(key: str) -> list[str]:
 def native_ops() -> ModuleType | None:
     """The compiled kernels (one extension, so they share one thread pool, see spin_pool.h), or None when they
     cannot be built or ``$LEANSERVE_DISABLE_NATIVE_KERNELS`` is set (then callers use the torch paths), for the
-    instruction-set path of ``$LEANSERVE_KERNEL_ISA`` (:func:`kernel_isa`):
+    instruction-set path of ``$LEANSERVE_KERNEL_ISA`` (:func:`kernel_isa`; a bad value raises its
+    EnvironmentSettingError):
 
     * ``paged_decode_attention`` (paged_attention.cpp): decode attention read in place from the paged KV cache;
     * ``paged_prefill_attention``, ``prefill_attention_bf16_simd`` (prefill_attention.cpp): a prefill chunk's
@@ -133,8 +136,9 @@ def native_ops() -> ModuleType | None:
     """
     if os.environ.get(_DISABLE_ENV):
         return None
+    isa = kernel_isa()  # a bad $LEANSERVE_KERNEL_ISA is the user's error, not a reason to run the torch paths
     try:
-        return build_native_ops(kernel_isa())
+        return build_native_ops(isa)
     except Exception as e:  # compiler or ninja missing, headers mismatch: keep serving on the torch path
         logger.warning("native kernels unavailable (%s); using the torch paths", e)
         return None

@@ -10,7 +10,8 @@ rows (the rest) run, per mode:
   output (``bf16_gemm``): activations and weights rounded to bf16 (unit roundoff 2**-9 each).
 * ``bf16x3``: the same with x and w split into bf16 high and low parts, three products (xh wh + xh wl + xl wh):
   about 2**-16 relative per product, three times the bf16 work.
-* ``auto``: ``bf16`` where the build has the AVX512_BF16 path (``ext.bf16_gemm_simd()``), else ``lane``.
+* ``auto``: ``bf16`` where the build has the AVX512_BF16 path (``ext.bf16_gemm_simd()``), else ``lane`` (as are
+  ``bf16`` and ``bf16x3`` there, with a warning: the scalar fallback is far slower than the lane kernel).
 
 The bf16 modes' GEMM runs on one of two engines, fixed per process (:func:`resolve_bf16_engine`): ``avx512_bf16``
 (VDPBF16PS register tiles) or ``amx`` (Intel AMX TDPBF16PS tiles, leanserve/kernels/amx_gemm.cpp), where the CPU has
@@ -34,7 +35,7 @@ import os
 from typing import Any
 
 from leanserve.config import PREFILL_GEMMS
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import EnvironmentSettingError, InvalidParameterError
 
 import torch
 
@@ -73,6 +74,18 @@ class Bf16Prefill:
         return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine, out)
 
 
+def asked_bf16_engine() -> str:
+    """``$LEANSERVE_BF16_GEMM``: ``auto`` (unset or empty) or one of BF16_GEMM_ENGINES.
+
+    Raises:
+        EnvironmentSettingError: another value."""
+    asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower() or "auto"
+    if asked not in ("auto", *BF16_GEMM_ENGINES):
+        raise EnvironmentSettingError(BF16_GEMM_ENV, f"${BF16_GEMM_ENV} must be auto or one of "
+                                      f"{', '.join(BF16_GEMM_ENGINES)}, not {asked!r}")
+    return asked
+
+
 def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, rows: int = 128) -> str:
     """The bf16 GEMM engine of this process: ``$LEANSERVE_BF16_GEMM`` when set to an engine, else (``auto``)
     ``amx`` when ``ext.amx_bf16_status()`` is ``ready`` and ``rows`` prefill rows of the weight ``w`` (a lane-layout
@@ -82,14 +95,13 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
     token's numbers must not depend on its chunk's size.
 
     Raises:
-        ValueError: ``$LEANSERVE_BF16_GEMM`` is not auto or an engine, or asks for ``amx`` where this process
-            cannot run it (the status says why: build, cpu, os, permission)."""
-    asked = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower() or "auto"
-    if asked not in ("auto", *BF16_GEMM_ENGINES):
-        raise ValueError(f"${BF16_GEMM_ENV} must be auto or one of {', '.join(BF16_GEMM_ENGINES)}, not {asked!r}")
+        EnvironmentSettingError: see :func:`asked_bf16_engine`; ``amx`` asked where this process cannot run it
+            (the status says why: build, cpu, os, permission)."""
+    asked = asked_bf16_engine()
     status = ext.amx_bf16_status()
     if asked == "amx" and status != "ready":
-        raise ValueError(f"${BF16_GEMM_ENV}=amx, but this process cannot run AMX tiles ({status})")
+        raise EnvironmentSettingError(BF16_GEMM_ENV, f"${BF16_GEMM_ENV}=amx, but this process cannot run AMX tiles "
+                                      f"({status})")
     if asked != "auto" or status != "ready":
         return "avx512_bf16" if asked == "auto" else asked
     ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, hi, lo)
@@ -111,18 +123,23 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
 
 
 def resolve_prefill_gemm(mode: str, ext: Any) -> str:
-    """The mode that runs: ``auto`` -> ``bf16`` when ``ext`` has the AVX512_BF16 path, else ``lane``; ``bf16`` and
-    ``bf16x3`` as asked when ``ext`` has the kernels (their scalar fallback is correct but slow), else ``lane``.
+    """The mode that runs: ``lane`` as asked; ``auto``, ``bf16`` and ``bf16x3`` where ``ext`` has the AVX512_BF16
+    path (``auto`` -> ``bf16``), else ``lane`` (the bf16 kernels' scalar fallback is correct but ~40x slower than
+    the lane kernel: an explicit bf16 mode there is logged as a warning and runs ``lane``).
 
     Raises:
         InvalidParameterError: a mode not in PREFILL_GEMMS."""
     if mode not in PREFILL_GEMMS:
         raise InvalidParameterError("prefill_gemm", f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, "
                                     f"not {mode!r}")
-    has = ext is not None and hasattr(ext, "bf16_gemm")
-    if mode == "auto":
-        return "bf16" if has and ext.bf16_gemm_simd() else "lane"
-    return mode if has else "lane"
+    simd = ext is not None and hasattr(ext, "bf16_gemm") and bool(ext.bf16_gemm_simd())
+    if mode == "lane" or simd:
+        return "bf16" if mode == "auto" else mode
+    if mode != "auto":
+        logger.warning("--prefill-gemm %s needs the AVX512_BF16 kernels, which this build lacks (%s): prefill "
+                       "rows run the lane kernel", mode, "no native kernels" if ext is None else
+                       "no AVX512_BF16, or LEANSERVE_KERNEL_ISA=avx2")
+    return "lane"
 
 
 def _lane_weights(model: Any) -> list[Any]:
@@ -153,10 +170,11 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
 
     Raises:
         InvalidParameterError: an unknown mode.
-        ValueError: a bad ``$LEANSERVE_BF16_GEMM`` (see :func:`resolve_bf16_engine`)."""
+        EnvironmentSettingError: a bad ``$LEANSERVE_BF16_GEMM`` (see :func:`resolve_bf16_engine`)."""
     weights = _lane_weights(model)
     ext = weights[0].ext if weights else None
     resolved = resolve_prefill_gemm(mode, ext)
+    asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
     prefill = None
     if resolved != "lane" and weights:
         largest = max(weights, key=lambda w: w.shape[0] * w.shape[1])

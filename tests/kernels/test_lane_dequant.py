@@ -10,7 +10,7 @@ import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.config import EngineConfig
-from leanserve.errors import InvalidParameterError
+from leanserve.errors import EnvironmentSettingError, InvalidParameterError
 from leanserve.kernels import native_ops
 from leanserve.quantization.prefill_gemm import (
     BF16_GEMM_ENV,
@@ -129,8 +129,11 @@ def test_matmul_sends_prefill_rows_to_bf16_and_decode_rows_to_the_lane_kernel() 
 
 def test_prefill_gemm_modes_resolve_and_bad_ones_are_rejected() -> None:
     ext = native_ops()
-    assert resolve_prefill_gemm("auto", ext) == ("bf16" if ext.bf16_gemm_simd() else "lane")
-    assert resolve_prefill_gemm("bf16x3", ext) == "bf16x3" and resolve_prefill_gemm("bf16", None) == "lane"
+    simd = ext.bf16_gemm_simd()
+    assert resolve_prefill_gemm("auto", ext) == ("bf16" if simd else "lane")
+    # an explicit bf16 mode without AVX512_BF16 (the forced AVX2 build) runs lane: the scalar loops are ~40x slower
+    assert resolve_prefill_gemm("bf16x3", ext) == ("bf16x3" if simd else "lane")
+    assert resolve_prefill_gemm("bf16", None) == "lane" and resolve_prefill_gemm("lane", ext) == "lane"
     with pytest.raises(InvalidParameterError):
         resolve_prefill_gemm("fp8", ext)
     with pytest.raises(InvalidParameterError) as e:
@@ -145,6 +148,9 @@ def test_prefill_gemm_modes_resolve_and_bad_ones_are_rejected() -> None:
         layers = [Layer(), Layer()]
 
     m = Model()
+    if not simd:
+        assert configure_prefill_gemm(m, "bf16x3") == "lane" and m.layers[0].qkv.prefill is None
+        return
     assert configure_prefill_gemm(m, "bf16x3") == "bf16x3"
     shared = m.layers[0].qkv.prefill
     assert all(t.prefill is shared for layer in m.layers for t in (layer.qkv, layer.down))
@@ -213,13 +219,21 @@ def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
     monkeypatch.setenv(BF16_GEMM_ENV, "avx512_bf16")
     assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
     monkeypatch.setenv(BF16_GEMM_ENV, "tiles")
-    with pytest.raises(ValueError, match=BF16_GEMM_ENV):
+    with pytest.raises(EnvironmentSettingError, match=BF16_GEMM_ENV) as bad:
         resolve_bf16_engine(ext, w, hi, E)
+    assert bad.value.variable == BF16_GEMM_ENV
+
+    class Model:
+        layers = [type("Layer", (), {})()]
+
+    Model.layers[0].qkv = w
+    with pytest.raises(EnvironmentSettingError):  # checked whatever the mode, lane included
+        configure_prefill_gemm(Model(), "lane")
     monkeypatch.setenv(BF16_GEMM_ENV, "amx")
     if status == "ready":
         assert resolve_bf16_engine(ext, w, hi, E) == "amx"
     else:
-        with pytest.raises(ValueError, match=status):
+        with pytest.raises(EnvironmentSettingError, match=status):
             resolve_bf16_engine(ext, w, hi, E)
     monkeypatch.delenv(BF16_GEMM_ENV)
 
