@@ -14,7 +14,9 @@
 // block_dequantize does (4-bit: d * q + m, 8-bit: q * d, in fp32), written as hi = bf16(w) (round to nearest even)
 // and, when lo is non-empty, lo = bf16(w - hi) (then hi + lo carries 16 significant bits of w).
 //
-// bf16_gemm(x, hi, lo, N, engine, out) -> y [M, N] float32 (out when given, see output_rows in spin_pool.h): y[m, n] = sum over k of xh[m, k] * wh[n, k], xh = bf16(x); with lo
+// bf16_gemm(x, hi, lo, N, engine, out) -> y [M, N] float32 (out when given: output_rows, out_rows.h), on the
+// avx512_bf16 engine (below) or the AMX one (amx_gemm.cpp): y[m, n] = sum over k of xh[m, k] * wh[n, k],
+// xh = bf16(x); with lo
 // ("bf16x3", after the split-precision schemes of e.g. Henry et al., "Leveraging the bfloat16 artificial
 // intelligence datatype for higher-precision computations", 2019): x = xh + xl as w = wh + wl, and
 // y = sum xh * wh + xh * wl + xl * wh (the xl * wl term, ~2**-16 relative, dropped), three times the products.
