@@ -111,10 +111,10 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
     runs = {e: (fastest_seconds(lambda e=e: ext.bf16_gemm(x, hi, lo, w.shape[0], e)),
                 ext.bf16_gemm(x, hi, lo, w.shape[0], e)) for e in BF16_GEMM_ENGINES}
     (_, ref), (_, got) = runs["avx512_bf16"], runs["amx"]
-    scale = float(ref.abs().max())
-    if not float((got - ref).abs().max()) <= 1e-4 * scale:
+    scale, diff = float(ref.abs().max()), float((got - ref).abs().max())
+    if not diff <= 1e-4 * scale:
         logger.warning("the AMX engine's product disagrees with the AVX512_BF16 engine's (max difference %.3g of "
-                       "%.3g): serving on avx512_bf16", float((got - ref).abs().max()), scale)
+                       "%.3g): serving on avx512_bf16", diff, scale)
         return "avx512_bf16"
     engine = min(runs, key=lambda e: runs[e][0])
     logger.info("bf16 prefill GEMM engine %s (%d rows of a %dx%d weight: %s)", engine, rows, *w.shape,
