@@ -7,7 +7,8 @@ positions of all prompts: the max and mean absolute error of the next-token log-
 vocabulary, the same for the log-prob of the token that actually follows, and how often the argmax agrees. Also
 the time of each mode's prefill of the prompts (the machine may be shared: see README). The quantized model's
 prefill attention is the native kernel the engine pairs with each mode (``--attention native``: bf16 dot products
-for ``bf16``, fp32 for ``lane`` and ``bf16x3``) or torch's SDPA (``--attention torch``); the reference always SDPA.
+for ``bf16``, fp32 for ``lane``, ``bf16x3`` and ``int8``) or torch's SDPA (``--attention torch``); the reference
+always SDPA.
 
 Usage: .venv/bin/python -m benchmarks.prefill_numerics [--lengths 64,128,256,512] [--attention native|torch]
     [--out PATH]
@@ -32,7 +33,7 @@ import torch
 
 from benchmarks.common import corpus_text, write_json
 
-MODES = ("lane", "bf16", "bf16x3")
+MODES = ("lane", "bf16", "bf16x3", "int8")
 
 
 @torch.inference_mode()

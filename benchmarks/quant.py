@@ -42,7 +42,7 @@ from benchmarks.llama_cpp_build import LlamaCppBuild, resolve_llama_cpp_bin
 CONFIGS = {"fp32": ("none", True, "auto"), "int8": ("int8", True, "auto"),
            "int4 (native Q4_1)": ("auto", True, "auto"), "Q4_1, torch kernels": ("auto", False, "auto"),
            "Q4_1 prefill lane": ("auto", True, "lane"),
-           "Q4_1 prefill bf16x3": ("auto", True, "bf16x3")}
+           "Q4_1 prefill bf16x3": ("auto", True, "bf16x3"), "Q4_1 prefill int8": ("auto", True, "int8")}
 KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 256, 512, 2048)
 PER_OP = "Q4_1, per-op path"  # --b1-only: native Q4_1 with the fused decode off
 
@@ -80,6 +80,11 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
             kernels["bf16 on AMX tiles"] = lambda x, b, t, ln: amx.matmul(ln, x)
         kernels["  of which lane_dequant_bf16 (bf16)"] = lambda x, b, t, ln: ext.lane_dequant_bf16(
             ln.codes, ln.d, ln._mn(), ln.bits, hi, none)
+    if ext is not None and hasattr(ext, "lane_q8_gemm"):  # the prefill path of --prefill-gemm int8
+        from leanserve.quantization.prefill_gemm import Int8Prefill
+
+        int8 = Int8Prefill(ext)
+        kernels[f"int8 activations ({ext.lane_q8_gemm_isa()})"] = lambda x, b, t, ln: int8.matmul(ln, x)
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for m in KERNEL_ROWS:
         x = torch.randn(m, loaded.config.hidden_size)

@@ -29,7 +29,7 @@ ROUTER_POLICIES = ("rules", "learned", "cascade")  # --model-router POLICY[:ARG]
 # every projection from float weights at load.
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 # --prefill-gemm: the kernel of prefill rows with lane-layout GGUF weights (leanserve/quantization/prefill_gemm.py)
-PREFILL_GEMMS = ("auto", "lane", "bf16", "bf16x3")
+PREFILL_GEMMS = ("auto", "lane", "bf16", "bf16x3", "int8")
 KV_CACHE_DTYPES = ("auto", "float16", "int8")  # "auto" = the model dtype
 INT4_GROUP_SIZES = (32, 64, 128)  # input columns per int4 scale
 
@@ -262,8 +262,9 @@ class EngineConfig:
                                choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(32, "int4 input columns per scale", type=int, choices=INT4_GROUP_SIZES)
     prefill_gemm: str = option("auto", "prefill rows of GGUF Q4/Q8 weights: lane (int16 kernel), bf16 (bf16 copy + "
-                               "AVX512_BF16 GEMM, fp32 output), bf16x3 (split bf16, near fp32), auto (bf16 where "
-                               "the CPU has AVX512_BF16)", choices=PREFILL_GEMMS)
+                               "AVX512_BF16 GEMM, fp32 output), bf16x3 (split bf16, near fp32), int8 (int8 "
+                               "activations on 4-bit weights, as llama.cpp), auto (bf16 where the CPU has "
+                               "AVX512_BF16, else int8 on AVX2 builds, else lane)", choices=PREFILL_GEMMS)
     kv_cache_dtype: str = option("auto", "KV cache: auto (the model dtype), float16, or int8 (a scale per token "
                                  "and KV head)", choices=KV_CACHE_DTYPES)
     speculative_config: SpeculativeConfig | dict | str | None = option(

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
             "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp",
-            "amx_gemm.cpp")
+            "amx_gemm.cpp", "lane_q8_gemm.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h", "amx_gemm.h", "out_rows.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -129,6 +129,8 @@ def native_ops() -> ModuleType | None:
       weights through a bf16 scratch copy and an AVX512_BF16 GEMM with fp32 output; ``amx_bf16_status``
       (amx_gemm.cpp): whether this process may run ``bf16_gemm``'s AMX engine (CPUID, XCR0, the arch_prctl tile
       permission), which runs the same product on AMX tiles;
+    * ``lane_q8_gemm``, ``lane_q8_gemm_isa`` (lane_q8_gemm.cpp): prefill products of 4-bit lane-layout weights with
+      int8 activations (vpmaddubsw, or vpdpbusd where the build has VNNI): the AVX2 machines' prefill path;
     * ``write_kv_`` (kv_write.cpp, kv_write.h): a layer's new K/V rows into its float32 or float16 paged cache
       through the slot mapping (the fused decode's KV write too);
     * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,

@@ -8,6 +8,9 @@ torch::Tensor block_quant_gemm(torch::Tensor x, torch::Tensor codes, torch::Tens
                                int64_t bits);
 torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
                               int64_t bits, c10::optional<torch::Tensor> out);
+torch::Tensor lane_q8_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
+                           c10::optional<torch::Tensor> out);
+std::string lane_q8_gemm_isa();
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor mn, int64_t bits,
                                torch::Tensor out_buf);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
@@ -35,6 +38,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_quant_gemm", &lane_quant_gemm, "x @ w.T for block-quantized w in lane layout (many rows), into out when "
         "given", pybind11::arg("x"), pybind11::arg("lanes"), pybind11::arg("dl"), pybind11::arg("ml"),
         pybind11::arg("bits"), pybind11::arg("out") = pybind11::none());
+  m.def("lane_q8_gemm", &lane_q8_gemm, "x @ w.T for 4-bit w in lane layout with int8 activations (prefill rows), "
+        "into out when given", pybind11::arg("x"), pybind11::arg("lanes"), pybind11::arg("dl"), pybind11::arg("ml"),
+        pybind11::arg("out") = pybind11::none());
+  m.def("lane_q8_gemm_isa", &lane_q8_gemm_isa, "the instruction set of lane_q8_gemm in this build: avx512_vnni, "
+        "avx_vnni, avx2 or scalar");
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");
   m.def("kquant_gemm", &kquant_gemm, "x @ w.T for a GGUF Q4_K / Q6_K matrix in its file bytes (float32)");
   m.def("f32_small_gemm", &f32_small_gemm, "x @ w.T for float32 x [T <= 8, K] and w [N, K]");

@@ -1,4 +1,4 @@
-"""The kernel of prefill rows for lane-layout GGUF weights (``--prefill-gemm``): the lane kernel, or bf16.
+"""The kernel of prefill rows for lane-layout GGUF weights (``--prefill-gemm``): the lane kernel, bf16, or int8.
 
 A lane-layout :class:`~leanserve.quantization.weights.BlockQuantWeight` runs its decode rows (the leading
 ``kernel_rows`` of a step: decodes and speculative verification rows) on the lane kernel in every mode. Its prefill
@@ -10,8 +10,18 @@ rows (the rest) run, per mode:
   output (``bf16_gemm``): activations and weights rounded to bf16 (unit roundoff 2**-9 each).
 * ``bf16x3``: the same with x and w split into bf16 high and low parts, three products (xh wh + xh wl + xl wh):
   about 2**-16 relative per product, three times the bf16 work.
-* ``auto``: ``bf16`` where the build has the AVX512_BF16 path (``ext.bf16_gemm_simd()``), else ``lane`` (as are
-  ``bf16`` and ``bf16x3`` there, with a warning: the scalar fallback is far slower than the lane kernel).
+* ``int8``: :class:`Int8Prefill`: 4-bit weights through ``lane_q8_gemm`` (leanserve/kernels/lane_q8_gemm.cpp):
+  activations quantized to int8 per block of 32 (llama.cpp's q8_1 scheme, relative error up to 2**-8 of the
+  block's largest value), exact int32 sums, fp32 output; 8-bit weights keep the lane kernel (AVX2 has no faster
+  int8 x int8 product).
+  On the default model its log-prob error against fp32 is about 4x bf16's (README.md, "Prefill GEMMs"), enough to
+  change a greedy continuation sooner: the same arithmetic as llama.cpp's for these weights, and on AVX2 machines
+  the fast prefill (on AVX-512 ones the lane kernel's 512-bit path is faster).
+* ``auto``: ``bf16`` where the build has the AVX512_BF16 path (``ext.bf16_gemm_simd()``); else ``int8`` where
+  ``lane_q8_gemm`` runs on AVX2 or AVX-VNNI (``ext.lane_q8_gemm_isa()``: the builds whose lane kernel has no
+  512-bit path); else ``lane``. ``lane`` is the mode that keeps the fp32 promises on every machine. ``bf16`` and
+  ``bf16x3`` without AVX512_BF16 run ``lane``, with a warning (the scalar fallback is far slower than the lane
+  kernel).
 
 The bf16 modes' GEMM runs on one of two engines, fixed per process (:func:`resolve_bf16_engine`): ``avx512_bf16``
 (VDPBF16PS register tiles) or ``amx`` (Intel AMX TDPBF16PS tiles, leanserve/kernels/amx_gemm.cpp), where the CPU has
@@ -23,8 +33,9 @@ differs, so their results may differ in the last bits, never a row's independenc
 Prefill rows take the mode's path whatever their number (one row or thousands), and each kernel computes a row
 with the same instructions whatever the other rows are, so a prompt token's numbers do not depend on how the
 prompt was chunked, batched with decodes or served from the prefix cache. Decode rows and prefill rows of the same
-prompt position may differ in the last bits between ``lane`` and the bf16 modes (different arithmetic); within one
-mode every promise of ``lane`` that concerns prefill rows holds. Measured errors and speeds: README.md ("Prefill
+prompt position may differ in the last bits between ``lane`` and the other modes (different arithmetic); within
+one mode every promise of ``lane`` that concerns prefill rows holds. ``int8`` gives bit-identical results on every
+build (its int32 sums are exact, its fp32 steps the same instructions). Measured errors and speeds: README.md ("Prefill
 GEMMs").
 """
 
@@ -72,6 +83,29 @@ class Bf16Prefill:
         buffers."""
         self.ext.lane_dequant_bf16(w.codes, w.d, w._mn(), w.bits, self.hi, self.lo)
         return self.ext.bf16_gemm(x, self.hi, self.lo, w.shape[0], self.engine, out)
+
+
+class Int8Prefill:
+    """Prefill products of lane-layout weights with int8 activations: ``lane_q8_gemm`` for 4-bit weights, the
+    lane kernel for 8-bit ones.
+
+    Attributes:
+        ext: the native kernels (``leanserve.kernels.native_ops()``).
+    """
+
+    __slots__ = ("ext",)
+    mode = "int8"
+    engine = None  # one kernel: nothing to choose (see Bf16Prefill.engine)
+
+    def __init__(self, ext: Any) -> None:
+        self.ext = ext
+
+    def matmul(self, w: Any, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T``: x [M, in] float32, w a lane-layout BlockQuantWeight; returns [M, out] float32 (``out``, a
+        contiguous [M, out] float32 tensor, when given)."""
+        if w.bits != 4:
+            return w.kernel(x, out)
+        return self.ext.lane_q8_gemm(x, w.codes, w.d, w.mn, out)
 
 
 def asked_bf16_engine() -> str:
@@ -123,9 +157,11 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
 
 
 def resolve_prefill_gemm(mode: str, ext: Any) -> str:
-    """The mode that runs: ``lane`` as asked; ``auto``, ``bf16`` and ``bf16x3`` where ``ext`` has the AVX512_BF16
-    path (``auto`` -> ``bf16``), else ``lane`` (the bf16 kernels' scalar fallback is correct but ~40x slower than
-    the lane kernel: an explicit bf16 mode there is logged as a warning and runs ``lane``).
+    """The mode that runs: ``lane`` as asked; ``int8`` where ``ext`` has ``lane_q8_gemm`` (else ``lane``, with a
+    warning); ``bf16`` and ``bf16x3`` where ``ext`` has the AVX512_BF16 path, else ``lane`` (the bf16 kernels'
+    scalar fallback is correct but ~40x slower than the lane kernel: logged as a warning); ``auto``: ``bf16`` with
+    the AVX512_BF16 path, else ``int8`` where ``lane_q8_gemm`` runs on AVX2 or AVX-VNNI (the builds without the
+    lane kernel's AVX-512 path), else ``lane``.
 
     Raises:
         InvalidParameterError: a mode not in PREFILL_GEMMS."""
@@ -133,12 +169,19 @@ def resolve_prefill_gemm(mode: str, ext: Any) -> str:
         raise InvalidParameterError("prefill_gemm", f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, "
                                     f"not {mode!r}")
     simd = ext is not None and hasattr(ext, "bf16_gemm") and bool(ext.bf16_gemm_simd())
-    if mode == "lane" or simd:
-        return "bf16" if mode == "auto" else mode
-    if mode != "auto":
+    int8 = ext is not None and hasattr(ext, "lane_q8_gemm")
+    if mode == "lane" or (mode == "int8" and int8) or (mode in ("bf16", "bf16x3") and simd):
+        return mode
+    if mode == "auto":
+        if simd:
+            return "bf16"
+        return "int8" if int8 and ext.lane_q8_gemm_isa() in ("avx2", "avx_vnni") else "lane"
+    if mode == "int8":
+        logger.warning("--prefill-gemm int8 needs the native kernels: prefill rows run the lane kernel")
+    else:
         logger.warning("--prefill-gemm %s needs the AVX512_BF16 kernels, which this build lacks (%s): prefill "
-                       "rows run the lane kernel", mode, "no native kernels" if ext is None else
-                       "no AVX512_BF16, or LEANSERVE_KERNEL_ISA=avx2")
+                       "rows run the lane kernel (--prefill-gemm int8 is the fast prefill there)", mode,
+                       "no native kernels" if ext is None else "no AVX512_BF16, or LEANSERVE_KERNEL_ISA=avx2")
     return "lane"
 
 
@@ -156,15 +199,15 @@ def _lane_weights(model: Any) -> list[Any]:
 
 
 def prefill_gemm_engine(model: Any) -> str | None:
-    """The bf16 GEMM engine ``configure_prefill_gemm`` gave ``model``'s prefill rows, or None (lane kernel)."""
+    """The bf16 GEMM engine ``configure_prefill_gemm`` gave ``model``'s prefill rows, or None (lane or int8)."""
     prefill = next((w.prefill for w in _lane_weights(model) if w.prefill is not None), None)
     return prefill.engine if prefill is not None else None
 
 
 def configure_prefill_gemm(model: Any, mode: str) -> str:
     """Sets the prefill kernel of every lane-layout BlockQuantWeight of ``model.layers`` (attributes of each
-    layer, ``__slots__`` included) to ``mode`` (resolved by :func:`resolve_prefill_gemm`), sharing one pair of
-    scratch buffers sized for the largest and one GEMM engine (:func:`resolve_bf16_engine`, measured on the
+    layer, ``__slots__`` included) to ``mode`` (resolved by :func:`resolve_prefill_gemm`); the bf16 modes share one
+    pair of scratch buffers sized for the largest and one GEMM engine (:func:`resolve_bf16_engine`, measured on the
     largest); the output head and the embedding keep the lane kernel (logits rows are not prefill rows).
     Returns the resolved mode. Calling it again replaces the previous setting.
 
@@ -175,8 +218,10 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
     ext = weights[0].ext if weights else None
     resolved = resolve_prefill_gemm(mode, ext)
     asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
-    prefill = None
-    if resolved != "lane" and weights:
+    prefill: Any = None
+    if resolved == "int8" and weights:
+        prefill = Int8Prefill(ext)
+    elif resolved != "lane" and weights:
         largest = max(weights, key=lambda w: w.shape[0] * w.shape[1])
         size = largest.shape[0] * largest.shape[1]
         hi = torch.empty(size, dtype=torch.bfloat16)

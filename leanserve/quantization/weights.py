@@ -25,7 +25,7 @@ Kernel per class and row count T (the reasons; measurements are in README.md and
   ``_weight_int4pack_mm_for_cpu`` at every T, on activations rounded to bf16 (those kernels are fast only with bf16
   activations, and then at least as fast as the fp32 GEMM at every batch size); their bf16 output is returned in
   x's dtype. Per-group int8 (Q8_0) has no torch kernel: it is dequantized per call (correct, memory-saving, slow).
-* :class:`BlockQuantWeight`: lane layout: the lane kernel at every T (prefill rows: the lane kernel or bf16, per
+* :class:`BlockQuantWeight`: lane layout: the lane kernel at every T (prefill rows: the lane kernel, bf16 or int8, per
   ``--prefill-gemm``, leanserve/quantization/prefill_gemm.py). File layout: the block kernel on decode rows
   while there are at most :data:`BLOCK_KERNEL_MAX_ROWS` of them, dequantize + :class:`FloatWeight` GEMM on prefill
   rows (and on decode rows beyond that count, where the GEMM is faster).
@@ -423,7 +423,8 @@ class BlockQuantWeight:
             model shares one among its layers, so the fp32 copy stays in cache), or None.
         lanes: which layout ``codes``, ``d`` and ``mn`` are in.
         prefill: lane layout: the kernel of prefill rows other than the lane kernel
-            (:class:`leanserve.quantization.prefill_gemm.Bf16Prefill`, set by ``configure_prefill_gemm``), or None.
+            (:class:`leanserve.quantization.prefill_gemm.Bf16Prefill` or ``Int8Prefill``, set by
+            ``configure_prefill_gemm``), or None.
     """
 
     codes: torch.Tensor
@@ -529,7 +530,7 @@ class BlockQuantWeight:
 
         Lane layout: the lane kernel on every row (each row's result independent of the others), except that with
         :attr:`prefill` set the rows after the first ``kernel_rows`` (prefill tokens, however many; none when
-        ``kernel_rows`` is None or in batch-invariant mode) run that kernel (bf16, see
+        ``kernel_rows`` is None or in batch-invariant mode) run that kernel (bf16 or int8, see
         leanserve/quantization/prefill_gemm.py). File layout: the
         block kernel on the first ``kernel_rows`` rows (decode tokens; None: all T) when there are at most
         :data:`BLOCK_KERNEL_MAX_ROWS` of them, else on none; dequantize (into :attr:`scratch`) + the
@@ -539,7 +540,7 @@ class BlockQuantWeight:
         """
         t = x.shape[0]
         if self.lanes and self.prefill is not None and not invariant_rows and kernel_rows is not None \
-                and kernel_rows < t:  # prefill rows through the bf16 path
+                and kernel_rows < t:  # prefill rows through the prefill kernel
             xf = (x if x.dtype == torch.float32 else x.float()).contiguous()
             n = kernel_rows
             y = torch.empty(t, self.shape[0])  # decode rows and prefill rows written in place: no concatenation

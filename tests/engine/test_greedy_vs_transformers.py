@@ -86,12 +86,15 @@ def hf_runs(hf_model, loaded_native):
     return runs
 
 
-# --prefill-gemm mode -> (the reference's top-2 logit gap below which a step is a near-tie, prompts that must match
-# for all 48 steps). ``lane`` and ``bf16x3`` keep the fp32 promise (1e-3, 6 of 8; measured 8 of 8). ``bf16`` breaks
-# it: rounding the prompt rows' activations and weights to bf16 moves logits by up to a few hundredths (one prompt
-# here takes the other token at a gap of 0.012), so it is held to no mismatch outside gaps of 0.05 and 4 of 8 full
-# runs (measured 5: the other three stop at such gaps).
-NEAR_TIE = {"lane": (1e-3, 6), "bf16x3": (1e-3, 6), "bf16": (0.05, 4)}
+# --prefill-gemm mode -> (the reference's top-2 logit gap below which a step is a near-tie: comparison of that prompt
+# stops there, prompts that must match for all 48 steps, steps that must be compared in all). ``lane`` and
+# ``bf16x3`` keep the fp32 promise (1e-3, 6 of 8; measured 8 of 8). ``bf16`` breaks it: rounding the prompt rows'
+# activations and weights to bf16 moves logits by up to a few hundredths (one prompt here takes the other token at
+# a gap of 0.012), so it is held to no mismatch outside gaps of 0.05 and 4 of 8 full runs (measured 5: the other three
+# stop at such gaps). ``int8`` (prompt rows' activations rounded to int8 per block of 32, llama.cpp's scheme) moves
+# them more: no mismatch outside gaps of 0.1 (it takes the other token at gaps of 0.082, 0.051 and 0.040), where
+# the prompts stop early: 100 steps compared in all (measured 141 of 384).
+NEAR_TIE = {"lane": (1e-3, 6, 288), "bf16x3": (1e-3, 6, 288), "bf16": (0.05, 4, 192), "int8": (0.1, 0, 100)}
 
 
 @pytest.mark.parametrize("prefill_gemm", list(NEAR_TIE))
@@ -119,6 +122,7 @@ def test_native_q4_1_greedy_matches_transformers_in_every_prefill_mode(loaded_na
         report.append(compared)
     print(f"{prefill_gemm}: steps compared per prompt: {report}")
     assert sum(c == STEPS for c in report) >= NEAR_TIE[prefill_gemm][1], report
+    assert sum(report) >= NEAR_TIE[prefill_gemm][2], report
 
 
 def test_amx_engine_serves_the_same_greedy_text(loaded_native, hf_runs):

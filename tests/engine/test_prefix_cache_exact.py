@@ -100,3 +100,22 @@ def test_prompt_arriving_among_running_requests_equals_alone(loaded_auto):
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
     assert pieces[0] >= 8 and sum(pieces[:3]) >= 48, pieces  # no 1-token first piece
     assert same(alone, outs["p"])
+
+
+def test_int8_prefill_rows_keep_the_prefix_cache_and_chunking_promises(loaded_auto):
+    """``--prefill-gemm int8``: a prompt token is computed by the int8 kernel however it arrives, so a prefix-cache
+    hit, a chunked prefill and a cold one give bitwise the same output."""
+    llm = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, prefill_gemm="int8")
+    if llm.engine.prefill_gemm != "int8":
+        pytest.skip("no native kernels")
+    ids = llm.get_tokenizer().encode(STORY * 4)
+    for n in (34, 70):
+        cold = run(llm, ids[:n])
+        hit = run(llm, ids[:n])
+        assert hit.num_cached_tokens > 0 and same(cold, hit), n
+    chunked = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, long_prefill_token_threshold=64,
+                  max_num_batched_tokens=100, enable_prefix_caching=False, prefill_gemm="int8")
+    whole = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, enable_prefix_caching=False, prefill_gemm="int8")
+    assert same(run(chunked, ids[:258]), run(whole, ids[:258]))
+    lane = LLM(loaded=loaded_auto, kv_cache_memory=64 << 20, enable_prefix_caching=False, prefill_gemm="lane")
+    assert run(lane, ids[:258]).outputs[0].logprobs != run(whole, ids[:258]).outputs[0].logprobs  # int8 did run

@@ -89,8 +89,9 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(server, client, ids)
     assert first["logprobs"]["token_logprobs"][:len(ids)] == lp["token_logprobs"]
     # a shorter prompt is another computation (other GEMM and attention shapes): equal up to rounding; with the
     # default --prefill-gemm bf16 (AVX512_BF16 CPUs) a last-bit difference can flip a bf16 rounding of a prompt
-    # row's activations, so "rounding" is bf16's (measured up to 0.3 nats against fp32: README "Prefill GEMMs")
-    tol = 0.3 if resolve_prefill_gemm("auto", native_ops()) == "bf16" else 1e-2
+    # row's activations, so "rounding" is bf16's (measured up to 0.3 nats against fp32: README "Prefill GEMMs"), and
+    # with int8 (the default on AVX2 builds) an int8 rounding's (up to 0.65 nats)
+    tol = {"bf16": 0.3, "int8": 1.0}.get(resolve_prefill_gemm("auto", native_ops()), 1e-2)
     assert second["logprobs"]["token_logprobs"][0] is None
     diffs = [abs(a - b) for a, b in zip(second["logprobs"]["token_logprobs"][1:5], lp["token_logprobs"][1:5],
                                         strict=True)]

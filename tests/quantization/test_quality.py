@@ -39,8 +39,10 @@ def test_quantized_quality_on_default_model() -> None:
 
 
 
-# --prefill-gemm mode -> bound on the log-prob error (nats) of prompt tokens and of decode steps after the prompt
-PREFILL_BOUNDS = {"lane": 1e-2, "bf16x3": 1e-2, "bf16": 0.25}
+# --prefill-gemm mode -> (bound on the log-prob error (nats) of prompt tokens and of decode steps after the prompt,
+# decode steps that must follow the fp32 model's text). int8 (prompt activations rounded to int8 per block of 32)
+# moves prompt log-probs by up to ~0.3 (measured 0.30) and its continuation leaves the fp32 one at step 7 here.
+PREFILL_BOUNDS = {"lane": (1e-2, 16), "bf16x3": (1e-2, 16), "bf16": (0.25, 16), "int8": (0.6, 4)}
 
 
 @pytest.mark.parametrize("prefill_gemm", list(PREFILL_BOUNDS))
@@ -49,11 +51,12 @@ def test_default_native_model_computes_what_the_fp32_model_computes(prefill_gemm
     holds the file's weights exactly, with under 1/4 of the weight memory, and its kernel (int16 activations per
     block of 32, exact int32 dot products) stays within a few thousandths of the dequantized fp32 model's
     log-probabilities, on prompt tokens and on decode steps; so does ``--prefill-gemm bf16x3`` (prompt rows in
-    split bf16), while ``bf16`` (prompt rows' activations and weights rounded to bf16) stays within a few tenths
-    (measured: benchmarks/results/prefill_numerics.json)."""
+    split bf16), while ``bf16`` (prompt rows' activations and weights rounded to bf16) stays within a few tenths,
+    as does ``int8`` (prompt rows' activations in int8), whose text leaves the fp32 text sooner (measured:
+    benchmarks/results/prefill_numerics.json)."""
     if native_ops() is None:
         pytest.skip("the native block kernel did not build")
-    bound = PREFILL_BOUNDS[prefill_gemm]
+    bound, min_steps = PREFILL_BOUNDS[prefill_gemm]
     loaded = load_model(None, quantization="auto")
     ids = loaded.tokenizer.encode(default_text(), add_special_tokens=False)[:300]
     ref_model = LlamaModel(loaded.config, loaded.weights, quantization="none")
@@ -79,4 +82,4 @@ def test_default_native_model_computes_what_the_fp32_model_computes(prefill_gemm
         compared += 1
         if b[tok].rank != 1:
             break
-    assert compared >= 16, (compared, outs["none"].text, outs["auto"].text)
+    assert compared >= min_steps, (compared, outs["none"].text, outs["auto"].text)
