@@ -117,7 +117,12 @@ class LLMEngine:
                                 max_position=max(self.max_model_len, ctx), quantization=config.quantization,
                                 group_size=config.quantization_group_size, batch_invariant=config.batch_invariant,
                                 native_kernels=config.use_native_kernels)
-        self.prefill_gemm = configure_prefill_gemm(self.model, config.prefill_gemm)  # the mode that runs (resolved)
+        gemm = config.prefill_gemm
+        if config.batch_invariant and gemm not in ("auto", "lane"):  # every row runs the lane kernel there
+            logger.warning("--batch-invariant runs every row through the lane kernel: --prefill-gemm %s is not used",
+                           gemm)
+        # the mode that runs (resolved)
+        self.prefill_gemm = configure_prefill_gemm(self.model, "lane" if config.batch_invariant else gemm)
         # the default on a GPU is a fraction of the memory left free by the weights
         kv_memory = config.kv_cache_memory if config.kv_cache_memory is not None else self._default_kv_memory()
         num_blocks = self._num_kv_blocks(kv_memory)

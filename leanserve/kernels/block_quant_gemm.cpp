@@ -19,6 +19,7 @@
 //   d, mn   [N, K / 32] float16 (mn empty for 8-bit)
 // Returns y [M, N] float32. Rows of x are independent: a row's result does not depend on M or on the other rows.
 #include <torch/extension.h>
+#include "block_amax.h"
 #include "out_rows.h"
 #include "spin_pool.h"
 
@@ -64,17 +65,9 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, flo
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + m * K + b * kBlock;
 #ifdef LS_AVX2
-        __m256 v[4], a = _mm256_setzero_ps(), sv = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.f);
-        for (int j = 0; j < 4; ++j) {
-          v[j] = _mm256_loadu_ps(xb + 8 * j);
-          a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[j]));
-          sv = _mm256_add_ps(sv, v[j]);
-        }
-        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
-        a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
-        const float amax_v = _mm_cvtss_f32(a4);
+        __m256 v[4], sv = _mm256_setzero_ps();
+        const float amax_v = leanserve::load_block_amax(xb, v);
+        for (int j = 0; j < 4; ++j) sv = _mm256_add_ps(sv, v[j]);
         const float dv = amax_v / 32767.f;
         const __m256 iv = _mm256_set1_ps(dv > 0.f ? 1.f / dv : 0.f);
         int16_t* qv = xq + m * K + b * kBlock;

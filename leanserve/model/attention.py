@@ -79,6 +79,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token's K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the leading decode tokens, in groups
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # (start, stop) row ranges of the prefill chunks that hold generated tokens recomputed after a preemption: the
+    # matmuls compute them as decode rows (LinearWeight.matmul's recomputed_rows)
+    recomputed_rows: list[tuple[int, int]] = field(default_factory=list)
     # native paged decode kernel (leanserve.kernels), reading the cache in place; None: the torch path
     decode_kernel: Callable[..., torch.Tensor] | None = None
     # native paged prefill attention (leanserve.model.prefill_attention): each chunk read in place from an fp32

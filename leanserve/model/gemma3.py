@@ -189,10 +189,10 @@ class Gemma3Model:
             block_size = kv_caches[0][0].shape[1]
             local = sliding_window_metadata(meta, cfg.sliding_window, block_size)
         x = self.embed_tokens(input_ids)  # [T, hidden], the residual stream
-        kr = meta.num_decode_tokens
+        kr, rr = meta.num_decode_tokens, meta.recomputed_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = gemma_rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv.matmul(h, kernel_rows=kr)
+            qkv = layer.qkv.matmul(h, kernel_rows=kr, recomputed_rows=rr)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = gemma_rms_norm(q.reshape(t, nh, hd), layer.q_norm, eps)
             k = gemma_rms_norm(k.reshape(t, nkv, hd), layer.k_norm, eps)
@@ -204,11 +204,11 @@ class Gemma3Model:
             else:
                 attn = paged_attention(q if self._q_ratio is None else q * self._q_ratio, k, v, k_cache, v_cache,
                                        meta)
-            o = layer.o.matmul(attn.reshape(t, q_size), kernel_rows=kr)
+            o = layer.o.matmul(attn.reshape(t, q_size), kernel_rows=kr, recomputed_rows=rr)
             x = x + gemma_rms_norm(o, layer.post_attn_norm, eps)
             h = gemma_rms_norm(x, layer.pre_ffn_norm, eps)
-            gate, up = layer.gate_up.matmul(h, kernel_rows=kr).chunk(2, dim=-1)
-            m = layer.down.matmul(F.gelu(gate, approximate="tanh") * up, kernel_rows=kr)
+            gate, up = layer.gate_up.matmul(h, kernel_rows=kr, recomputed_rows=rr).chunk(2, dim=-1)
+            m = layer.down.matmul(F.gelu(gate, approximate="tanh") * up, kernel_rows=kr, recomputed_rows=rr)
             x = x + gemma_rms_norm(m, layer.post_ffn_norm, eps)
         return gemma_rms_norm(x, self.norm, eps)
 

@@ -199,10 +199,12 @@ class LlamaModel:
         if self.fused_decode is not None and self.fused_decode.applies(t, kv_caches, meta):
             return self.fused_decode.forward(x, cos, sin, kv_caches, meta)
         pending: torch.Tensor | None = None  # the MLP output still to be added to x
-        kr, mr = meta.num_decode_tokens, self._invariant_rows  # each matmul's kernel_rows and invariant_rows
+        # each matmul's kernel_rows, invariant_rows and recomputed_rows
+        kr, mr, rr = meta.num_decode_tokens, self._invariant_rows, meta.recomputed_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = self._add_norm(x, pending, layer.input_norm)
-            qkv = layer.qkv.matmul(h, layer.qkv_bias, kernel_rows=kr, invariant_rows=mr)  # [T, q_size + 2 * kv_size]
+            # [T, q_size + 2 * kv_size]
+            qkv = layer.qkv.matmul(h, layer.qkv_bias, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
             if fused is not None:
                 fused.rope_(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -212,11 +214,11 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, num_heads, head_dim]
-            o = layer.o.matmul(attn.view(t, q_size), kernel_rows=kr, invariant_rows=mr)
+            o = layer.o.matmul(attn.view(t, q_size), kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
             h = self._add_norm(x, o, layer.post_norm)
             # [T, intermediate] each
-            gate, up = layer.gate_up.matmul(h, kernel_rows=kr, invariant_rows=mr).chunk(2, dim=-1)
-            pending = layer.down.matmul(F.silu(gate) * up, kernel_rows=kr, invariant_rows=mr)
+            gate, up = layer.gate_up.matmul(h, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr).chunk(2, dim=-1)
+            pending = layer.down.matmul(F.silu(gate) * up, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
         return self._add_norm(x, pending, self.norm)
 
     def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leanserve.quantization.weights import BLOCK_KERNEL_MAX_ROWS, FloatWeight
+from leanserve.quantization.weights import BLOCK_KERNEL_MAX_ROWS, FloatWeight, RowRanges
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ class KQuantWeight:
         return self.ext.kquant_gemm(x.contiguous(), self.data, self.qtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype (computed in float32). The kernel on the first
         ``kernel_rows`` rows (None: all) when at most :data:`BLOCK_KERNEL_MAX_ROWS`, else on none; dequantize +
         the fp32 GEMM on the others; every row through the kernel with ``invariant_rows``."""

@@ -34,9 +34,12 @@ Prefill rows take the mode's path whatever their number (one row or thousands), 
 with the same instructions whatever the other rows are, so a prompt token's numbers do not depend on how the
 prompt was chunked, batched with decodes or served from the prefix cache. Decode rows and prefill rows of the same
 prompt position may differ in the last bits between ``lane`` and the other modes (different arithmetic); within
-one mode every promise of ``lane`` that concerns prefill rows holds. ``int8`` gives bit-identical results on every
-build (its int32 sums are exact, its fp32 steps the same instructions). Measured errors and speeds: README.md ("Prefill
-GEMMs").
+one mode every promise of ``lane`` that concerns prefill rows holds. Generated tokens recomputed after a preemption
+are prefill rows of the recompute but run as decode rows (``recomputed_rows``), as they first ran, so a preempted
+request continues as it would have. ``int8``'s kernel gives bit-identical products on every build (its int32 sums are exact, its fp32 steps the same instructions); end to end, the other kernels of a build
+(attention, norms) differ in the last bits between builds, and int8's rounding can magnify that (a prompt's
+log-probs measured up to 0.3 nats apart between the native and the forced AVX2 build). Measured errors and
+speeds: README.md ("Prefill GEMMs").
 """
 
 from __future__ import annotations
@@ -215,13 +218,17 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
         InvalidParameterError: an unknown mode.
         EnvironmentSettingError: a bad ``$LEANSERVE_BF16_GEMM`` (see :func:`resolve_bf16_engine`)."""
     weights = _lane_weights(model)
-    ext = weights[0].ext if weights else None
-    resolved = resolve_prefill_gemm(mode, ext)
     asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
+    if not weights:  # no lane-layout weights (float or torch-quantized projections): no prefill kernel to set
+        if mode not in PREFILL_GEMMS:
+            resolve_prefill_gemm(mode, None)  # raises
+        return "lane"
+    ext = weights[0].ext
+    resolved = resolve_prefill_gemm(mode, ext)
     prefill: Any = None
-    if resolved == "int8" and weights:
+    if resolved == "int8":
         prefill = Int8Prefill(ext)
-    elif resolved != "lane" and weights:
+    elif resolved != "lane":
         largest = max(weights, key=lambda w: w.shape[0] * w.shape[1])
         size = largest.shape[0] * largest.shape[1]
         hi = torch.empty(size, dtype=torch.bfloat16)
@@ -229,4 +236,4 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
         prefill = Bf16Prefill(ext, hi, lo, resolve_bf16_engine(ext, largest, hi, lo))
     for w in weights:
         w.prefill = prefill
-    return resolved if weights else "lane"
+    return resolved

@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,11 +56,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+RowRanges = Sequence[tuple[int, int]]  # (start, stop) row ranges of a step
+
 
 class LinearWeight(Protocol):
     """A weight matrix W [out, in] (``nn.Linear`` layout) that multiplies activations with its own kernel.
 
-    ``matmul(x, bias=None, *, kernel_rows=None, invariant_rows=0)`` returns ``x @ W.T + bias``:
+    ``matmul(x, bias=None, *, kernel_rows=None, invariant_rows=0, recomputed_rows=())`` returns ``x @ W.T + bias``:
 
     * ``x``: [T, in], float32 or bfloat16 (the model dtype; a :class:`FloatWeight` expects its own dtype).
     * ``bias``: [out] in x's dtype, or None: fused into ``F.linear`` where a class runs that, else added to the
@@ -69,6 +71,10 @@ class LinearWeight(Protocol):
       prefill tokens, as the model runner orders a step); None: all rows alike. Only a kernel whose choice must not
       depend on how a prompt was chunked reads it (:class:`BlockQuantWeight`: file layout, and lane layout with a
       bf16 prefill path).
+    * ``recomputed_rows``: row ranges ``(start, stop)`` among the prefill rows that hold generated tokens recomputed
+      after a preemption: a kernel that treats prefill rows differently from decode rows (a lane-layout
+      :class:`BlockQuantWeight` with a prefill kernel) computes them as decode rows, as they were first computed,
+      so that a preempted request continues as it would have; the other classes ignore it.
     * ``invariant_rows``: 0, or batch-invariant mode: every row is computed by the same kernel whatever T is (a
       :class:`FloatWeight` on NumPy's BLAS runs gemm on chunks of exactly ``invariant_rows`` rows; a file-layout
       :class:`BlockQuantWeight` keeps its block kernel at every T; the other kernels are row-invariant already).
@@ -90,7 +96,7 @@ class LinearWeight(Protocol):
         ...
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ W.T + bias``: x [T, in] -> [T, out] (see the class notes)."""
         ...
 
@@ -230,7 +236,7 @@ class FloatWeight:
         return F.embedding(ids, self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ weight.T + bias``: x [T, in] -> [T, out] (kernel per the class notes)."""
         if (self._small is not None and not invariant_rows and x.dtype == torch.float32
                 and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS):
@@ -299,7 +305,7 @@ class Int8Weight:
         return (q * self.scales.float()[..., None]).view(out, k)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype; per channel, ``_weight_int8pack_mm`` on x
         rounded to bf16; per group, fp32 ``F.linear`` on the dequantized matrix. Row-invariant at every T, so
         ``kernel_rows`` and ``invariant_rows`` are not read. The bias is added to the product."""
@@ -379,7 +385,7 @@ class Int4Weight:
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(out, k)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype, through ``_weight_int4pack_mm_for_cpu``
         on x rounded to bf16. Row-invariant at every T, so ``kernel_rows`` and ``invariant_rows`` are not read. The bias
         is added to the product."""
@@ -525,7 +531,7 @@ class BlockQuantWeight:
         return self.ext.block_dequantize(codes, d, mn, self.bits, _NONE)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, kernel_rows: int | None = None,
-               invariant_rows: int = 0) -> torch.Tensor:
+               invariant_rows: int = 0, recomputed_rows: RowRanges = ()) -> torch.Tensor:
         """``x @ w.T + bias``: x [T, in] float -> [T, out] in x's dtype (computed in float32; bias added after).
 
         Lane layout: the lane kernel on every row (each row's result independent of the others), except that with
@@ -547,6 +553,8 @@ class BlockQuantWeight:
             if n:
                 self.kernel(xf[:n], out=y[:n])
             self.prefill.matmul(self, xf[n:], out=y[n:])
+            for a, b in recomputed_rows:  # generated tokens recomputed after a preemption: as they were computed
+                self.kernel(xf[a:b], out=y[a:b])
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if bias is None else y + bias
         if self.lanes or invariant_rows:  # every row through the kernel

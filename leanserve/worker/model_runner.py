@@ -176,6 +176,9 @@ class ModelRunner:
                     decode_lens.append(start + 1 + j)
             else:
                 chunk = PrefillChunk(q_start, n, start, self._tensor(table))
+                prompt = s.request.num_prompt_tokens
+                if start + n > prompt:  # generated tokens recomputed after a preemption
+                    meta.recomputed_rows.append((q_start + max(0, prompt - start), q_start + n))
                 if start and self.prefill_kernel is None:  # the kernel masks by position itself
                     rows = -(-n // Q_ROWS_MULTIPLE) * Q_ROWS_MULTIPLE  # attention pads the queries to this
                     q_pos = torch.arange(start, start + rows, device=self.device)

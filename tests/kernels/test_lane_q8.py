@@ -170,3 +170,21 @@ def test_int8_mode_resolves_and_configures() -> None:
     assert isinstance(shared, Int8Prefill) and shared.mode == "int8"
     assert all(t.prefill is shared for layer in m.layers for t in (layer.qkv, layer.down))
     assert configure_prefill_gemm(m, "lane") == "lane" and m.layers[1].qkv.prefill is None
+
+
+def test_int8_is_not_claimed_where_it_does_not_run(caplog) -> None:
+    """No lane-layout weights (float or torch-quantized projections): ``lane``, no warning about kernels; batch-
+    invariant mode (every row on the lane kernel): ``lane``, with a warning that ``--prefill-gemm`` is not used."""
+    from leanserve import LLM
+    from leanserve.loader import load_model
+
+    class Model:
+        layers = [type("Layer", (), {})()]
+
+    with caplog.at_level("WARNING"):
+        assert configure_prefill_gemm(Model(), "int8") == "lane"
+    assert not caplog.records
+    llm = LLM(loaded=load_model(None, quantization="auto"), kv_cache_memory=16 << 20, prefill_gemm="int8",
+              batch_invariant=True)
+    assert llm.engine.prefill_gemm == "lane" and "prefill GEMM lane" in llm.engine.describe()
+    assert any("--prefill-gemm int8 is not used" in r.getMessage() for r in caplog.records)
