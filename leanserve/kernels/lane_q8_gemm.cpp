@@ -12,12 +12,13 @@
 // the int16 path's vpmaddwd, and no widening of the weights to 16 bits. The int16 lanes cannot overflow: a lane sums
 // 8 pairs of one block, |sum| <= 8 * 2 * 15 * 127 = 30480 < 32767; vpmaddwd with ones then adds the lanes' pairs into
 // exact int32 block sums. With AVX-VNNI or AVX-512 VNNI, vpdpbusd computes the same int32 sums in one instruction,
-// so every build gives bit-identical results.
+// so this kernel's products are bit-identical on every build.
 //
 // Weights: lane_quant_gemm's lane layout (block_quant_gemm.cpp), read as it is: a 32-byte load of a group's block
 // holds pairs 2j and 2j + 1 of its 8 outputs; vpermq + vpshufb put output l's four bytes (inputs 4j..4j + 3 in the
 // low nibbles, 16 + 4j.. in the high ones) in int32 lane l, against the row's four activations broadcast to every
-// lane. The shuffle is per weight register, shared by the register tile's rows.
+// lane. Each task does that once for its tile (unpack_tile: 36 KB of bytes at K = 576, which stay in L1), and its
+// register tiles of up to 8 rows read the unpacked bytes.
 //
 // Layouts: x [M, K] float32, K % 32 == 0; lanes [N / 64, K / 32, 8, 8, 8, 2] uint8, dl, ml [N / 64, K / 32, 8, 8]
 // float16 (lane layout, 4-bit only). Returns y [M, N] float32 (out when given). A row's result depends only on that

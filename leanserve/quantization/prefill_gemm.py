@@ -36,10 +36,10 @@ prompt was chunked, batched with decodes or served from the prefix cache. Decode
 prompt position may differ in the last bits between ``lane`` and the other modes (different arithmetic); within
 one mode every promise of ``lane`` that concerns prefill rows holds. Generated tokens recomputed after a preemption
 are prefill rows of the recompute but run as decode rows (``recomputed_rows``), as they first ran, so a preempted
-request continues as it would have. ``int8``'s kernel gives bit-identical products on every build (its int32 sums are exact, its fp32 steps the same instructions); end to end, the other kernels of a build
-(attention, norms) differ in the last bits between builds, and int8's rounding can magnify that (a prompt's
-log-probs measured up to 0.3 nats apart between the native and the forced AVX2 build). Measured errors and
-speeds: README.md ("Prefill GEMMs").
+request continues as it would have. ``int8``'s kernel gives bit-identical products on every build (its int32 sums
+are exact, its fp32 steps the same instructions); end to end, the other kernels of a build (attention, norms) differ
+in the last bits between builds, and int8's rounding can magnify that (a prompt's log-probs measured up to 0.3 nats
+apart between the native and the forced AVX2 build). Measured errors and speeds: README.md ("Prefill GEMMs").
 """
 
 from __future__ import annotations

@@ -78,6 +78,10 @@ class _DraftView:
     def num_tokens(self) -> int:
         return self.request.num_tokens + len(self.drafts)
 
+    @property
+    def num_prompt_tokens(self) -> int:  # rows past it in a chunk run as decode rows (recomputed_rows)
+        return self.request.num_prompt_tokens
+
     def token_at(self, start: int, end: int) -> list[int]:
         n = self.request.num_tokens
         head = self.request.token_at(start, min(end, n)) if start < n else []
