@@ -159,6 +159,13 @@ def resolve_bf16_engine(ext: Any, w: Any, hi: torch.Tensor, lo: torch.Tensor, ro
     return engine
 
 
+def _check_mode(mode: str) -> None:
+    """Raises InvalidParameterError when ``mode`` is not in PREFILL_GEMMS."""
+    if mode not in PREFILL_GEMMS:
+        raise InvalidParameterError("prefill_gemm", f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, "
+                                    f"not {mode!r}")
+
+
 def resolve_prefill_gemm(mode: str, ext: Any) -> str:
     """The mode that runs: ``lane`` as asked; ``int8`` where ``ext`` has ``lane_q8_gemm`` (else ``lane``, with a
     warning); ``bf16`` and ``bf16x3`` where ``ext`` has the AVX512_BF16 path, else ``lane`` (the bf16 kernels'
@@ -168,9 +175,7 @@ def resolve_prefill_gemm(mode: str, ext: Any) -> str:
 
     Raises:
         InvalidParameterError: a mode not in PREFILL_GEMMS."""
-    if mode not in PREFILL_GEMMS:
-        raise InvalidParameterError("prefill_gemm", f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, "
-                                    f"not {mode!r}")
+    _check_mode(mode)
     simd = ext is not None and hasattr(ext, "bf16_gemm") and bool(ext.bf16_gemm_simd())
     int8 = ext is not None and hasattr(ext, "lane_q8_gemm")
     if mode == "lane" or (mode == "int8" and int8) or (mode in ("bf16", "bf16x3") and simd):
@@ -220,8 +225,7 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
     weights = _lane_weights(model)
     asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
     if not weights:  # no lane-layout weights (float or torch-quantized projections): no prefill kernel to set
-        if mode not in PREFILL_GEMMS:
-            resolve_prefill_gemm(mode, None)  # raises
+        _check_mode(mode)
         return "lane"
     ext = weights[0].ext
     resolved = resolve_prefill_gemm(mode, ext)

@@ -553,7 +553,9 @@ class BlockQuantWeight:
             if n:
                 self.kernel(xf[:n], out=y[:n])
             self.prefill.matmul(self, xf[n:], out=y[n:])
-            for a, b in recomputed_rows:  # generated tokens recomputed after a preemption: as they were computed
+            # generated tokens recomputed after a preemption: as they were computed (the prefill call above covered
+            # them too: one call, because the bf16 modes dequantize the weight per call; such rows are rare)
+            for a, b in recomputed_rows:
                 self.kernel(xf[a:b], out=y[a:b])
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if bias is None else y + bias
