@@ -19,6 +19,7 @@ torch::Tensor kquant_dequantize(torch::Tensor w, int64_t qtype);
 torch::Tensor f32_small_gemm(torch::Tensor x, torch::Tensor w);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
+torch::Tensor silu_mul(torch::Tensor gu);
 bool bf16_gemm_simd();
 void lane_dequant_bf16(torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml, int64_t bits, torch::Tensor hi,
                        torch::Tensor lo);
@@ -26,7 +27,8 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int
                         c10::optional<torch::Tensor> out);
 std::string amx_bf16_status();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16);
+                                      torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16,
+                                      c10::optional<torch::Tensor> out);
 bool prefill_attention_bf16_simd();
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slot_mapping);
@@ -49,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_dequantize", &kquant_dequantize, "w [N, K] float32 from GGUF Q4_K / Q6_K bytes");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm(x) * w (float32)");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row (float32)");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of a fused [T, 2 I] gate|up product (float32)");
   m.def("bf16_gemm_simd", &bf16_gemm_simd, "whether bf16_gemm / lane_dequant_bf16 use AVX512_BF16");
   m.def("lane_dequant_bf16", &lane_dequant_bf16, "lane-layout w into pair-packed bf16 hi (and lo) buffers");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T, w pair-packed bf16 (bf16x3 with lo), fp32 accumulation and output, on "
@@ -57,7 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16_status", &amx_bf16_status, "whether this process can run AMX bf16 tiles: ready, or why not "
         "(build, cpu, os, permission)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots)");
+        "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots), "
+        "into out when given", pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_ids"), pybind11::arg("context_len"), pybind11::arg("scale"), pybind11::arg("use_bf16"),
+        pybind11::arg("out") = pybind11::none());
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
         "whether paged_prefill_attention has its AVX512_BF16 path");
   m.def("write_kv_", &write_kv_, "new K/V rows into the paged cache through the slot mapping (float32 or float16)");

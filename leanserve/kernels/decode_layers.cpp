@@ -3,7 +3,7 @@
 // attention -> o -> add+RMSNorm -> gate_up -> SiLU(gate) * up -> down, then the final add+RMSNorm.
 //
 // It calls the very kernels of the per-op path (LlamaModel.forward in leanserve/model/llama.py): add_rms_norm_,
-// lane_quant_gemm, rope_, paged_decode_attention, and ATen's silu and mul for the SwiGLU, with the same shapes and
+// lane_quant_gemm, rope_, paged_decode_attention and silu_mul (fused_ops.cpp), with the same shapes and
 // in the same order, so its result is bitwise equal to that path's (tests/kernels/test_decode_layers.py asserts
 // it). What it saves is the Python and torch dispatch between the ~12 kernels of each layer.
 //
@@ -32,6 +32,7 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads, int64_t k_heads,
            int64_t head_dim);
+torch::Tensor silu_mul(torch::Tensor gu);
 
 namespace {
 
@@ -96,8 +97,7 @@ class DecodeLayers {
       auto o = lane_quant_gemm(attn.view({M, q_size}), w[6], w[7], w[8], b[1]);
       h = add_rms_norm_(x, o, w[1], eps_);
       auto gu = lane_quant_gemm(h, w[9], w[10], w[11], b[2]);  // [M, 2 I]
-      const int64_t inter = gu.size(1) / 2;
-      auto act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+      auto act = silu_mul(gu);
       pending = lane_quant_gemm(act, w[12], w[13], w[14], b[3]);
     }
     return add_rms_norm_(x, pending, final_norm_, eps_);

@@ -26,10 +26,12 @@
 // the dot products' operand layout: fp32, or bf16 pairs), shared by all tasks of that head, so the scattered cache
 // blocks are read once and each task streams its head's copy (512 KB per KV head at 2,048 keys in bf16).
 //
-// q:          [n, H, D] float32, contiguous (RoPE applied); row i is at position context_len + i
+// q:          [n, H, D] float32 (RoPE applied), each row's H * D values contiguous at any row stride (the q
+//             columns of the fused qkv product); row i is at position context_len + i
 // k/v_cache:  [num_blocks, block_size, KVH, D] float32, contiguous (this chunk's K/V already written)
 // block_ids:  [>= ceil((context_len + n) / block_size)] int64, the sequence's block table
-// returns     [n, H, D] float32
+// out:        optional [n, H, D] float32 with contiguous rows (any row stride) to write into
+// returns     [n, H, D] float32 (out when given)
 // SIMD paths for D in {64, 128} and block_size a multiple of 16; other shapes run the scalar loops (same contract).
 #include <torch/extension.h>
 #include "simd_exp.h"
@@ -62,6 +64,10 @@ struct Args {
   float* out;
   int64_t n, H, KVH, G, D, BS, ctx;
   float scale;
+  int64_t qs, os;  // row strides of q and out (floats)
+  // head h of query row i, and of its output row
+  const float* qrow(int64_t i, int64_t h) const { return q + i * qs + h * D; }
+  float* orow(int64_t i, int64_t h) const { return out + i * os + h * D; }
 };
 
 // One call's packed K and V: block j of KV head kh at k + (kh * nblk + j) * ks (and v + ... * vs), in the worker's
@@ -128,7 +134,7 @@ struct ScalarWorker {  // reads the cache directly (no packed copy)
     std::fill(l.begin(), l.begin() + rows, 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r / G, g = r % G, pos = a.ctx + i0 + i;
-      const float* qr = a.q + ((i0 + i) * a.H + kh * G + g) * D;
+      const float* qr = a.qrow(i0 + i, kh * G + g);
       float* ar = acc.data() + r * D;
       for (int64_t j = 0; j * BS <= pos; ++j) {
         const int64_t valid = std::min(BS, pos - j * BS + 1);
@@ -154,7 +160,7 @@ struct ScalarWorker {  // reads the cache directly (no packed copy)
         for (int64_t t = 0; t < valid; ++t)
           for (int64_t d = 0; d < D; ++d) ar[d] += s[t] * vb[t * row + d];
       }
-      float* o = a.out + ((i0 + i) * a.H + kh * G + g) * D;
+      float* o = a.orow(i0 + i, kh * G + g);
       for (int64_t d = 0; d < D; ++d) o[d] = ar[d] / l[r];
     }
   }
@@ -291,7 +297,7 @@ struct F32Worker {
     const int64_t G = a.G, BS = a.BS, rows = nq * G;
     const int64_t padded = (rows + kSRows - 1) / kSRows * kSRows;
     for (int64_t r = 0; r < padded; ++r) {
-      if (r < rows) std::memcpy(&qs[r * kD], a.q + ((i0 + r / G) * a.H + kh * G + r % G) * kD, kD * sizeof(float));
+      if (r < rows) std::memcpy(&qs[r * kD], a.qrow(i0 + r / G, kh * G + r % G), kD * sizeof(float));
       else std::fill(&qs[r * kD], &qs[r * kD] + kD, 0.f);
     }
     std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
@@ -321,7 +327,7 @@ struct F32Worker {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* o = a.out + ((i0 + r / G) * a.H + kh * G + r % G) * kD;
+      float* o = a.orow(i0 + r / G, kh * G + r % G);
       const float inv = 1.f / Isa::hsum(Isa::load(&l[r * W]));
       for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
     }
@@ -485,7 +491,7 @@ struct Bf16Worker {
     for (int64_t r = 0; r < padded; ++r)
       for (int64_t d = 0; d < kD; d += 16) {
         __m256i h = _mm256_setzero_si256();
-        if (r < rows) h = bf16x16(a.q + ((i0 + r / G) * a.H + kh * G + r % G) * kD + d);
+        if (r < rows) h = bf16x16(a.qrow(i0 + r / G, kh * G + r % G) + d);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&qs[r * kD + d]), h);
       }
     std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
@@ -508,7 +514,7 @@ struct Bf16Worker {
       for (; r < rows; ++r) pv<1>(r);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* o = a.out + ((i0 + r / G) * a.H + kh * G + r % G) * kD;
+      float* o = a.orow(i0 + r / G, kh * G + r % G);
       const float inv = 1.f / Isa::hsum(Isa::load(&l[r * W]));
       for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
     }
@@ -573,14 +579,19 @@ bool prefill_attention_bf16_simd() {
 
 // See the top of this file. use_bf16: the bf16 dot-product path (needs prefill_attention_bf16_simd()).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16) {
+                                      torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16,
+                                      c10::optional<torch::Tensor> out_opt) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "paged_prefill_attention: float32 q and KV cache");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_prefill_attention: contiguous q and KV cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous KV cache");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_prefill_attention: q [n, H, D], caches [blocks, block_size, KVH, D] with KVH dividing H");
+  // a row's heads contiguous (any row stride: q may be the q columns of the fused qkv product), as the output's
+  auto rows_dense = [](const torch::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) && (t.size(0) <= 1 || t.stride(0) >= t.size(1) * t.size(2));
+  };
+  TORCH_CHECK(rows_dense(q), "paged_prefill_attention: q's rows must hold their heads contiguously");
   TORCH_CHECK(block_ids.dtype() == torch::kInt64 && block_ids.dim() == 1, "paged_prefill_attention: int64 block ids");
   TORCH_CHECK(context_len >= 0, "paged_prefill_attention: context_len >= 0");
   const int64_t n = q.size(0), BS = k_cache.size(1);
@@ -594,11 +605,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 #ifndef LS_PREFILL_BF16
   TORCH_CHECK(!use_bf16, "paged_prefill_attention: this build has no AVX512_BF16 path");
 #endif
-  auto out = torch::empty_like(q);
+  torch::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.dtype() == torch::kFloat32 && out.sizes() == q.sizes() && rows_dense(out),
+                "paged_prefill_attention: out must be float32 like q, its rows' heads contiguous");
+  } else {
+    out = torch::empty(q.sizes(), q.options());
+  }
   if (n == 0) return out;
   Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, out.data_ptr<float>(),
          n, q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), BS, context_len,
-         static_cast<float>(scale)};
+         static_cast<float>(scale), q.stride(0), out.stride(0)};
 #if defined(__AVX2__) && defined(__FMA__)
   const bool simd = BS % 16 == 0 && (a.D == 64 || a.D == 128);
 #ifdef LS_PREFILL_BF16

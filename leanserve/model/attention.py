@@ -183,8 +183,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for p in meta.prefills:
         sl = slice(p.query_start, p.query_start + p.query_len)
         if meta.prefill_kernel is not None:
-            out[sl] = meta.prefill_kernel(q[sl].contiguous(), k_cache, v_cache, p.block_ids, p.context_len,
-                                          head_dim ** -0.5)
+            meta.prefill_kernel(q[sl], k_cache, v_cache, p.block_ids, p.context_len, head_dim ** -0.5, out=out[sl])
             continue
         qp = _padded_queries(q[sl])  # [1, num_heads, q_len rounded up to Q_ROWS_MULTIPLE, head_dim]
         if p.context_len == 0:

@@ -160,7 +160,7 @@ class LlamaModel:
                                     config.rope_theta, config.rope_scaling)
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
-        # fused RMSNorm / RoPE (leanserve/kernels/fused_ops.cpp) for float32 on CPU
+        # fused RMSNorm / RoPE / SwiGLU (leanserve/kernels/fused_ops.cpp) for float32 on CPU
         self._fused = (native_ops() if native_kernels and self.device.type == "cpu" and dtype == torch.float32
                        else None)
         # decode-only steps in one native call (bitwise equal to the per-op path); None: the per-op path
@@ -216,10 +216,16 @@ class LlamaModel:
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, num_heads, head_dim]
             o = layer.o.matmul(attn.view(t, q_size), kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
             h = self._add_norm(x, o, layer.post_norm)
-            # [T, intermediate] each
-            gate, up = layer.gate_up.matmul(h, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr).chunk(2, dim=-1)
-            pending = layer.down.matmul(F.silu(gate) * up, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
+            gu = layer.gate_up.matmul(h, kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)  # [T, 2 * inter]
+            pending = layer.down.matmul(self._swiglu(gu), kernel_rows=kr, invariant_rows=mr, recomputed_rows=rr)
         return self._add_norm(x, pending, self.norm)
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [T, inter] of the fused gate|up product ``gu`` [T, 2 * inter] (gate first)."""
+        if self._fused is not None:
+            return self._fused.silu_mul(gu.contiguous())
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``x += y`` in place (the residual add; ``y`` None: none), then RMSNorm(x) * weight. x, y: [T, hidden]."""

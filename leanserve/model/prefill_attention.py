@@ -19,12 +19,14 @@ KERNEL_HEAD_DIMS = (64, 128)
 
 
 class PrefillAttentionKernel:
-    """``kernel(q, k_cache, v_cache, block_ids, context_len, scale)`` -> [n, num_heads, head_dim] float32.
+    """``kernel(q, k_cache, v_cache, block_ids, context_len, scale, out=None)`` -> [n, num_heads, head_dim] float32.
 
-    Args (of a call): q [n, num_heads, head_dim] float32 contiguous (RoPE applied; row i at position
-    context_len + i); k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] float32, or float16 (the
-    blocks the chunk reads are then gathered and widened to float32 first), with the chunk's K/V already written;
-    block_ids [>= ceil((context_len + n) / block_size)] int64; scale (1/sqrt(head_dim)).
+    Args (of a call): q [n, num_heads, head_dim] float32 (RoPE applied; row i at position context_len + i), read
+    in place when each row's heads are contiguous (the q columns of the fused qkv product), else copied; k_cache,
+    v_cache [num_blocks, block_size, kv_heads, head_dim] float32, or float16 (the blocks the chunk reads are then
+    gathered and widened to float32 first), with the chunk's K/V already written;
+    block_ids [>= ceil((context_len + n) / block_size)] int64; scale (1/sqrt(head_dim)); out, an optional
+    [n, num_heads, head_dim] float32 tensor the result is written into (and returned).
     Raises RuntimeError (from the extension) on shapes or dtypes outside that contract.
 
     Attributes:
@@ -37,13 +39,25 @@ class PrefillAttentionKernel:
         self.ext, self.bf16 = ext, bf16
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                 context_len: int, scale: float) -> torch.Tensor:
+                 context_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         if k_cache.dtype == torch.float16:  # the blocks the chunk reads, widened once (as the SDPA path gathers)
             used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
             ids = block_ids[:used]
             k_cache, v_cache = k_cache.index_select(0, ids).float(), v_cache.index_select(0, ids).float()
             block_ids = torch.arange(used, dtype=torch.int64)
-        return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16)
+        if not _rows_dense(q):
+            q = q.contiguous()
+        if out is not None and not _rows_dense(out):
+            out[:] = self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16)
+            return out
+        return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16, out)
+
+
+def _rows_dense(x: torch.Tensor) -> bool:
+    """Whether each row of ``x`` [n, H, D] holds its H * D values contiguously (any row stride), as the kernel
+    reads q and writes out."""
+    n, heads, head_dim = x.shape
+    return x.stride(2) == 1 and x.stride(1) == head_dim and (n <= 1 or x.stride(0) >= heads * head_dim)
 
 
 def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int,

@@ -110,6 +110,41 @@ def test_row_bitwise_independent_of_chunking(bf16):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_strided_q_and_out_equal_the_contiguous_call(bf16):
+    """q read in place from the fused qkv product's columns (rows at a stride), the result written into a slice of
+    a larger tensor: bitwise the contiguous call's, nothing outside the slice touched; the wrapper copies a q whose
+    heads are not contiguous and fills an ``out`` of any layout."""
+    if bf16 and not native_ops().prefill_attention_bf16_simd():
+        pytest.skip("no AVX512_BF16 path in this build")
+    bs, kvh, group, d, ctx, n = 16, 3, 3, 64, 40, 50
+    heads = kvh * group
+    k_cache, v_cache = _cache(20, bs, kvh, d, seed=11)
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randperm(20, generator=g)[:-(-(ctx + n) // bs)]
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g)
+    q = qkv[:, :heads * d].view(n, heads, d)  # row stride (heads + 2 kvh) d
+    assert not q.is_contiguous()
+    ext = native_ops()
+    want = ext.paged_prefill_attention(q.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16)
+    assert torch.equal(ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16), want)
+    big = torch.full((n + 7, heads, d), 7.0)
+    got = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, out=big[3:3 + n])
+    assert got.data_ptr() == big[3].data_ptr() and torch.equal(big[3:3 + n], want)
+    assert (big[:3] == 7).all() and (big[3 + n:] == 7).all()
+    kernel = prefill_attention_kernel(ext, d, bs, "bf16" if bf16 else "lane")
+    swapped = qkv[:, :heads * d].view(n, d, heads).transpose(1, 2)  # heads not contiguous: copied first
+    assert torch.equal(kernel(swapped, k_cache, v_cache, ids, ctx, d ** -0.5),
+                       ext.paged_prefill_attention(swapped.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16))
+    odd_out = torch.zeros(n, d, heads).transpose(1, 2)
+    kernel(q, k_cache, v_cache, ids, ctx, d ** -0.5, out=odd_out)
+    assert torch.equal(odd_out, want)
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        ext.paged_prefill_attention(swapped, k_cache, v_cache, ids, ctx, d ** -0.5, bf16)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, out=torch.empty(n, heads, 32))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_float16_cache_equals_the_kernel_on_its_widened_values(bf16):
     """A float16 cache (benchmarks.throughput's, llama.cpp's default KV type): the blocks the chunk reads are
     widened to float32 and attended as an fp32 cache holding the same values, bitwise."""

@@ -1,4 +1,4 @@
-"""The fused RMSNorm and RoPE kernels (leanserve/kernels/fused_ops.cpp) against the eager torch formulas."""
+"""The fused RMSNorm, RoPE and SwiGLU kernels (leanserve/kernels/fused_ops.cpp) against the eager torch formulas."""
 
 from __future__ import annotations
 
@@ -53,3 +53,23 @@ def test_rope_in_place_matches_apply_rope(t: int) -> None:
     torch.testing.assert_close(qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d), k_ref,
                                rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_ref)  # values untouched
+
+
+@pytest.mark.parametrize("t,inter", [(1, 1536), (3, 37), (300, 1536)])
+def test_silu_mul_matches_torch(t: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(inter + t)
+    gu = torch.randn(t, 2 * inter, generator=g) * 6
+    gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 200.0, -200.0])  # sign, over- and underflow
+    ref = (torch.nn.functional.silu(gu[:, :inter].double()) * gu[:, inter:].double())
+    out = native_ops().silu_mul(gu)
+    assert out.shape == (t, inter) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-30)
+    assert out[0, 5].item() == 0.0 and out[0, 7].item() == 0.0  # silu(-88), silu(-200): exp underflows to 0
+    # each element on its own: a row alone, and an element alone (in a padded tail) give the same bits as in a
+    # full vector or in the row's own tail
+    assert torch.equal(native_ops().silu_mul(gu[-1:].clone()), out[-1:])
+    for j in (0, 9, inter - 1):
+        alone = torch.stack([gu[:, j], gu[:, inter + j]], dim=1)
+        assert torch.equal(native_ops().silu_mul(alone), out[:, j:j + 1]), j
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        native_ops().silu_mul(torch.randn(2, 5))
