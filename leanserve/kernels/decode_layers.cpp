@@ -4,7 +4,7 @@
 //
 // It calls the very kernels of the per-op path (LlamaModel.forward in leanserve/model/llama.py): add_rms_norm_,
 // lane_quant_gemm, rope_, paged_decode_attention and silu_mul (fused_ops.cpp), with the same shapes and
-// in the same order, so its result is bitwise equal to that path's (tests/kernels/test_decode_layers.py asserts
+// in the same order, so its result is bitwise equal to that path's (tests/model/test_fused_decode.py asserts
 // it). What it saves is the Python and torch dispatch between the ~12 kernels of each layer.
 //
 // DecodeLayers(layers, bits, final_norm, eps, num_heads, kv_heads, head_dim):
