@@ -1,6 +1,6 @@
 """Where a decode step's time goes: one stream (or ``--batch`` streams) of the default model, each step split into
 the scheduler, the input tensors, the forward pass (native GEMMs per projection, the paged attention kernel, the
-fused add+RMSNorm and RoPE, and the rest: torch ops and Python between them), the logits (output matrix), the
+fused add+RMSNorm, RoPE and SwiGLU, and the rest: torch ops and Python between them), the logits (output matrix), the
 sampler and the output processing, per layer where it applies. Where the fused decode applies
 (leanserve/model/fused_decode.py: the layers in one native call, the default for GGUF Q4/Q8 on CPU), it reports the
 step with it ("plain"), the step on the per-op path, the fused call's own time, and the breakdown of the per-op
@@ -143,7 +143,7 @@ def main() -> None:
         per_step.get(k, 0.0) for k in ("logits (output matrix)", "sampler", "scheduler update", "output processing"))
     rows = [(k, per_step[k], calls[k]) for k in sorted(per_step) if k.startswith("gemm ")]
     rows += [("attention kernel", attn, calls.get("attention kernel", 0)),
-             ("fused add+RMSNorm, RoPE", fused_t, sum(v for k, v in calls.items() if k.startswith("fused."))),
+             ("fused add+RMSNorm, RoPE, SwiGLU", fused_t, sum(v for k, v in calls.items() if k.startswith("fused."))),
              ("forward: torch ops + Python between kernels", rest_forward, 0),
              ("forward (all of the above)", forward, calls["forward"])]
     rows += [(k, per_step[k], calls[k]) for k in ("logits (output matrix)", "sampler", "input tensors", "scheduler",
