@@ -59,12 +59,42 @@ SIMD_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx5
 
 
 def cpu_info() -> dict:
-    """``{"model": str, "simd": [the SIMD_FEATURES present], "cpu_count": int}`` of this machine, for benchmark
-    results (which kind of machine a number was measured on)."""
+    """``{"model": str, "simd": [the SIMD_FEATURES present], "cpu_count": int, "l3_cache_bytes": int | None}`` of
+    this machine, for benchmark results (which kind of machine a number was measured on)."""
     model, _, flags = _cpu_identity().partition("|")
     present = set(flags.partition(":")[2].split())
     return {"model": model.partition(":")[2].strip() or platform.processor(),
-            "simd": [f for f in SIMD_FEATURES if f in present], "cpu_count": os.cpu_count()}
+            "simd": [f for f in SIMD_FEATURES if f in present], "cpu_count": os.cpu_count(),
+            "l3_cache_bytes": l3_cache_bytes()}
+
+
+def l3_cache_bytes() -> int | None:
+    """The size of the last-level (L3) cache of CPU 0 in bytes, from Linux sysfs, or None when unknown."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for index in sorted(base.glob("index*")):
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip().upper()  # e.g. "32768K"
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+                return int(size.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def use_streaming_prefetch(weight_bytes: int, l3_bytes: int | None = None) -> str:
+    """Picks the lane kernels' software prefetch hint for a model of ``weight_bytes`` (bytes read per decode
+    step) and sets it process-wide: "nta" (non-temporal) when the weights exceed the L3 cache (``l3_bytes``,
+    default :func:`l3_cache_bytes`), so that streaming them each step does not evict what else could stay
+    cached (the KV cache, the rest of the step's working set); else "t0". Sticky: once a model in the process
+    streams, later (smaller) models keep "nta". Returns the hint in force; "t0" without native kernels."""
+    ops = native_ops()
+    if ops is None:
+        return "t0"
+    l3 = l3_cache_bytes() if l3_bytes is None else l3_bytes
+    if l3 is not None and weight_bytes > l3:
+        ops.set_lane_prefetch_hint("nta")
+    return ops.lane_prefetch_hint()
 
 
 def kernel_isa() -> str:

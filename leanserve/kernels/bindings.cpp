@@ -11,6 +11,8 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
 torch::Tensor lane_q8_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tensor dl, torch::Tensor ml,
                            c10::optional<torch::Tensor> out);
 std::string lane_q8_gemm_isa();
+void set_lane_prefetch_hint(const std::string& hint);
+std::string lane_prefetch_hint();
 torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor mn, int64_t bits,
                                torch::Tensor out_buf);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
@@ -43,6 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_q8_gemm", &lane_q8_gemm, "x @ w.T for 4-bit w in lane layout with int8 activations (prefill rows), "
         "into out when given", pybind11::arg("x"), pybind11::arg("lanes"), pybind11::arg("dl"), pybind11::arg("ml"),
         pybind11::arg("out") = pybind11::none());
+  m.def("set_lane_prefetch_hint", &set_lane_prefetch_hint, "the lane kernels' software prefetch hint, "
+        "process-wide: t0 or nta");
+  m.def("lane_prefetch_hint", &lane_prefetch_hint, "the lane kernels' software prefetch hint: t0 or nta");
   m.def("lane_q8_gemm_isa", &lane_q8_gemm_isa, "the instruction set of lane_q8_gemm in this build: avx512_vnni, "
         "avx_vnni, avx2 or scalar");
   m.def("block_dequantize", &block_dequantize, "w [N, K] float32 from GGUF block-quantized codes and scales");

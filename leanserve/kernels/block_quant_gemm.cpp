@@ -24,9 +24,11 @@
 #include "spin_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -35,6 +37,9 @@
 #endif
 
 namespace {
+
+// The cache hint of the lane kernels' software prefetch (set_lane_prefetch_hint): false = T0, true = NTA.
+std::atomic<bool> g_prefetch_nta{false};
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;  // output rows sharing one pass over a tile of activations (stays in L1)
@@ -282,7 +287,11 @@ constexpr int64_t kLaneAhead = 4;
 template <int64_t kBlockBytes>
 inline void prefetch_ahead(const uint8_t* wl, int64_t b, int g0, int g1) {
   const char* ahead = reinterpret_cast<const char*>(wl + ((b + kLaneAhead) * 8 + g0) * kBlockBytes);
-  for (int64_t c = 0; c < (g1 - g0) * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+  if (g_prefetch_nta.load(std::memory_order_relaxed)) {
+    for (int64_t c = 0; c < (g1 - g0) * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_NTA);
+  } else {
+    for (int64_t c = 0; c < (g1 - g0) * kBlockBytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+  }
 }
 #endif
 
@@ -708,3 +717,12 @@ torch::Tensor lane_quant_gemm(torch::Tensor x, torch::Tensor lanes, torch::Tenso
   }
   return y;
 }
+
+// The lane kernels' software prefetch hint, process-wide: "t0" (into every cache level) or "nta" (non-temporal:
+// weights streamed through a cache smaller than them need not evict what could stay). Raises on another value.
+void set_lane_prefetch_hint(const std::string& hint) {
+  TORCH_CHECK(hint == "t0" || hint == "nta", "lane prefetch hint must be t0 or nta, got ", hint);
+  g_prefetch_nta.store(hint == "nta", std::memory_order_relaxed);
+}
+
+std::string lane_prefetch_hint() { return g_prefetch_nta.load(std::memory_order_relaxed) ? "nta" : "t0"; }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.errors import UnsupportedQuantizationError
-from leanserve.kernels import native_ops
+from leanserve.kernels import native_ops, use_streaming_prefetch
 from leanserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from leanserve.model.fused_decode import FusedDecode
 from leanserve.model.rope import RotaryEmbedding, apply_rope
@@ -165,6 +165,8 @@ class LlamaModel:
                        else None)
         # decode-only steps in one native call (bitwise equal to the per-op path); None: the per-op path
         self.fused_decode: FusedDecode | None = FusedDecode.build(self)
+        if self._fused is not None:  # weights larger than the L3 stream through it: non-temporal prefetch
+            use_streaming_prefetch(self.weight_bytes())
 
     def weight_bytes(self) -> int:
         """Bytes held by the model's weights (the tied output matrix counted once; quantized ones as packed)."""

@@ -11,7 +11,7 @@ import time
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.config import EngineConfig
 from leanserve.errors import EnvironmentSettingError, InvalidParameterError
-from leanserve.kernels import native_ops
+from leanserve.kernels import l3_cache_bytes, native_ops, use_streaming_prefetch
 from leanserve.quantization.prefill_gemm import (
     BF16_GEMM_ENV,
     Bf16Prefill,
@@ -280,3 +280,30 @@ def test_kernels_write_into_a_given_output_or_refuse_a_wrong_one() -> None:
             ext.lane_quant_gemm(x[:4], w.codes, w.d, w._mn(), w.bits, bad)
         with pytest.raises(RuntimeError, match="out must be"):
             ext.bf16_gemm(x[:4], hi, E, OUT, "avx512_bf16", bad)
+
+
+def test_prefetch_hint_changes_no_result_and_follows_the_cache_size() -> None:
+    """The lane kernels' prefetch hint (t0 or nta) only moves data between caches: every row count gives the same
+    bits under both. The rule: nta once a model's weights exceed the L3 cache, sticky for the process."""
+    ext = native_ops()
+    before = ext.lane_prefetch_hint()
+    try:
+        for kind in ("Q4_1", "Q8_0"):
+            w = _weight(kind, out=320, k=IN)
+            for rows in (1, 2, 3, 8, 33):
+                x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+                ext.set_lane_prefetch_hint("t0")
+                y0 = w.kernel(x)
+                ext.set_lane_prefetch_hint("nta")
+                assert ext.lane_prefetch_hint() == "nta"
+                assert torch.equal(w.kernel(x), y0), (kind, rows)
+        with pytest.raises(RuntimeError, match="t0 or nta"):
+            ext.set_lane_prefetch_hint("t1")
+        ext.set_lane_prefetch_hint("t0")
+        assert use_streaming_prefetch(96 << 20, l3_bytes=480 << 20) == "t0"  # fits: stays cached, t0
+        assert use_streaming_prefetch(96 << 20, l3_bytes=32 << 20) == "nta"  # streams through a 32 MiB L3
+        assert use_streaming_prefetch(1 << 20, l3_bytes=32 << 20) == "nta"  # sticky: a small draft model after it
+        l3 = l3_cache_bytes()
+        assert l3 is None or l3 >= 1 << 20
+    finally:
+        ext.set_lane_prefetch_hint(before)
