@@ -68,6 +68,7 @@ def cpu_info() -> dict:
             "l3_cache_bytes": l3_cache_bytes()}
 
 
+@functools.cache
 def l3_cache_bytes() -> int | None:
     """The size of the last-level (L3) cache of CPU 0 in bytes, from Linux sysfs, or None when unknown."""
     base = Path("/sys/devices/system/cpu/cpu0/cache")
