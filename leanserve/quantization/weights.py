@@ -374,11 +374,11 @@ class Int4Weight:
         return cls.from_codes(q.clamp(0, 15).reshape(out, k), scale, zero, group_size)
 
     def codes(self) -> torch.Tensor:
-        """The codes [out, in] uint8 (0..15), unpacked. Raises ValueError when ``out % 64`` (see int4_pack)."""
+        """The codes [out, in] uint8 (0..15), unpacked. Raises ValueError when ``out % int4_pack.block_rows()``."""
         return unpack_int4(self.packed)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 [out, in] matrix the kernel multiplies by. Raises ValueError when ``out % 64``."""
+        """The float32 [out, in] matrix the kernel multiplies by. Raises ValueError as :meth:`codes` does."""
         out, k = self.shape
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [out, groups, 2]
         q = self.codes().float().view(out, k // self.group_size, self.group_size)

@@ -68,7 +68,7 @@ def test_chat_and_completions_through_the_openai_client(fleet):
 
 def test_streaming_passes_chunk_by_chunk(fleet):
     body = {"model": fleet.model, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 1.0, "seed": 7, "stream": True, "stream_options": {"include_usage": True}}
     arrivals, raw = [], ""
     with fleet.client().stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -77,7 +77,8 @@ def test_streaming_passes_chunk_by_chunk(fleet):
             raw += text
     chunks = sse_chunks(raw)
     text_chunks = [c for c in chunks if c["choices"]]
-    assert 40 <= len(text_chunks) <= 41 and chunks[-1]["usage"]["completion_tokens"] == 40  # + a finish chunk
+    # one chunk per token, less any token whose text is held back into the next one (a partial UTF-8 character)
+    assert 30 <= len(text_chunks) <= 41 and chunks[-1]["usage"]["completion_tokens"] == 40  # + a finish chunk
     # not buffered: the events arrive over the generation, in many reads, spread over at least half of the time the
     # replica spent decoding (its own timings; a buffered stream would arrive at once, whatever the machine's speed)
     decode_s = next(c["timings"]["decode_ms"] for c in chunks if c.get("timings")) / 1000

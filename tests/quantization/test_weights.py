@@ -5,7 +5,7 @@ from __future__ import annotations
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.errors import UnsupportedQuantizationError
 from leanserve.quantization import check_kv_cache_dtype, check_quantization
-from leanserve.quantization.int4_pack import pack_int4, unpack_int4
+from leanserve.quantization.int4_pack import block_rows, pack_int4, unpack_int4
 from leanserve.quantization.weights import Int4Weight, Int8Weight, quantize_weight
 
 import pytest
@@ -59,9 +59,12 @@ def test_int4_pack_roundtrip_and_layout() -> None:
     packed = pack_int4(codes)
     assert packed.shape == (192, 48) and packed.dtype == torch.uint8
     assert torch.equal(unpack_int4(packed), codes)
-    # the documented layout: block of 64 rows, column k, byte j holds rows j (low nibble) and j + 32 (high)
-    b = packed.view(3, 96, 32)
-    assert int(b[1, 5, 7] & 15) == int(codes[64 + 7, 5]) and int(b[1, 5, 7] >> 4) == int(codes[64 + 39, 5])
+    # the documented layout: block of B rows, column k, byte j holds rows j (low nibble) and j + B / 2 (high)
+    block = block_rows()
+    assert block == (64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32)
+    b = packed.view(192 // block, 96, block // 2)
+    assert int(b[1, 5, 7] & 15) == int(codes[block + 7, 5])
+    assert int(b[1, 5, 7] >> 4) == int(codes[block + block // 2 + 7, 5])
 
 
 def test_int4_odd_rows_still_multiply() -> None:
@@ -70,7 +73,7 @@ def test_int4_odd_rows_still_multiply() -> None:
     x = torch.randn(3, 64)
     ref = x @ w.T
     assert torch.allclose(q.matmul(x), ref, atol=0.15 * ref.abs().max().item())
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match=f"multiple of {block_rows()} rows"):
         q.codes()
 
 
