@@ -18,6 +18,7 @@ from leanserve.core.sliding_window import SlidingWindowBlocks, local_pool_size, 
 from leanserve.engine.admission import AdmittedRequest, RequestAdmission
 from leanserve.engine.output_processor import OutputProcessor, ParentState
 from leanserve.errors import InvalidParameterError, ModelLoadError
+from leanserve.kernels import native_ops
 from leanserve.loader import LoadedModel, load_model
 from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
@@ -150,7 +151,9 @@ class LLMEngine:
                                    min_chunk_tokens=PREFILL_MIN_ROWS)
         per_layer = [swa.num_local_blocks if s else num_blocks for s in sliding] if swa else num_blocks
         kv_caches = allocate_kv_cache(self.model, per_layer, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, Sampler(self.tokenizer.stop_token_ids),
+        ext = native_ops() if config.use_native_kernels and self.device.type == "cpu" else None
+        sampler = Sampler(self.tokenizer.stop_token_ids, argmax_kernel=getattr(ext, "argmax_rows", None))
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, sampler,
                                   seed=config.seed, use_native_kernels=config.use_native_kernels,
                                   prefill_gemm=self.prefill_gemm)
         if swa is not None:  # read in place each step

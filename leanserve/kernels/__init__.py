@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fused_ops.cpp", "kquant_gemm.cpp",
             "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp",
-            "amx_gemm.cpp", "lane_q8_gemm.cpp")
+            "amx_gemm.cpp", "lane_q8_gemm.cpp", "row_ops.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
 _HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h", "amx_gemm.h", "out_rows.h", "block_amax.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -164,6 +164,8 @@ def native_ops() -> ModuleType | None:
       int8 activations (vpmaddubsw, or vpdpbusd where the build has VNNI): the AVX2 machines' prefill path;
     * ``write_kv_`` (kv_write.cpp, kv_write.h): a layer's new K/V rows into its float32 or float16 paged cache
       through the slot mapping (the fused decode's KV write too);
+    * ``argmax_rows``, ``lane_gather_rows`` (row_ops.cpp): the greedy sampler's argmax in one pass; rows of a
+      lane-layout weight in file layout (the embedding lookup);
     * ``DecodeLayers`` (decode_layers.cpp): a Llama model's decoder layers for a decode-only step in one call,
       bitwise equal to the per-op path (leanserve/model/fused_decode.py builds it).
     """

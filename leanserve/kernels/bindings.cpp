@@ -34,6 +34,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 bool prefill_attention_bf16_simd();
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slot_mapping);
+torch::Tensor argmax_rows(torch::Tensor x);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> lane_gather_rows(torch::Tensor lanes, torch::Tensor dl,
+                                                                         torch::Tensor ml, int64_t bits,
+                                                                         torch::Tensor ids);
 void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -72,5 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
         "whether paged_prefill_attention has its AVX512_BF16 path");
   m.def("write_kv_", &write_kv_, "new K/V rows into the paged cache through the slot mapping (float32 or float16)");
+  m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of [n, m] float32 (first of ties, NaN the maximum)");
+  m.def("lane_gather_rows", &lane_gather_rows, "rows of a lane-layout block-quantized weight in file layout: "
+        "(codes, d, mn)");
   bind_decode_layers(m);
 }

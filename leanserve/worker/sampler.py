@@ -23,7 +23,7 @@ scalar loops while ``amax``/``sum`` are vectorized, so top-k/top-p/min-p use one
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from leanserve.sampling_params import SamplingParams
@@ -90,10 +90,15 @@ class Sampler:
         stop_token_ids: the model's EOS / end-of-turn ids; with each request's own
             ``params.stop_token_ids`` they are masked (-inf) while ``len(output) < min_tokens``
             (also with ``ignore_eos``, as vLLM).
+        argmax_kernel: a native ``x.argmax(-1)`` for float32 CPU rows (first of ties, first NaN), or None.
     """
 
-    def __init__(self, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, stop_token_ids: frozenset[int],
+                 argmax_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.stop_token_ids = frozenset(stop_token_ids)
+        # greedy rows of CPU logits: ``argmax_kernel(x [n, m] float32) -> [n] int64`` equal to ``x.argmax(-1)``
+        # (leanserve.kernels' argmax_rows: one pass on the calling thread); None: the blocked torch argmax
+        self.argmax_kernel = argmax_kernel
         # Reused [rows, vocab] float32 work buffers: on CPU a fresh multi-MB tensor per op costs more in
         # page faults than the op itself (softmax(x / t) takes ~5x longer than into a reused buffer).
         self._bufs: dict[str, torch.Tensor] = {}
@@ -136,9 +141,12 @@ class Sampler:
 
         greedy = [i for i in rows if params[i].is_greedy]
         sampled = [i for i in rows if not params[i].is_greedy]
+        argmax = self.argmax_kernel if self.argmax_kernel is not None and x.device.type == "cpu" else _argmax
+        if not sampled and all(p.logprobs is None for p in params):  # the common greedy step: no tensor round trip
+            return SamplerOutput(argmax(work).tolist(), [None] * num)
         tokens = torch.empty(num, dtype=torch.long, device=x.device)
         if greedy:
-            tokens[greedy] = _argmax(self._rows(work, greedy))
+            tokens[greedy] = argmax(self._rows(work, greedy))
         if sampled:
             tokens[sampled] = self._sample(self._rows(work, sampled), [states[i] for i in sampled])
         token_ids = tokens.tolist()

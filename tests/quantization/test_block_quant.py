@@ -68,6 +68,23 @@ def test_block_weight_keeps_the_file_values(tmp_path: Path, qtype: QT) -> None:
     assert np.array_equal(file.rows(ids).numpy(), expect[ids.numpy()])
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_lane_row_gather_is_the_file_rows(tmp_path: Path, qtype: QT) -> None:
+    """The native lane gather (an embedding lookup) returns exactly the file layout's bytes and scales of the rows
+    asked for, in their order; no rows give empty tensors; an id outside the matrix is a RuntimeError."""
+    w, _ = _weight(tmp_path, qtype)
+    file, _ = _weight(tmp_path, qtype, lanes=False)
+    ids = torch.tensor([191, 0, 63, 64, 7, 8, 128, 7])
+    codes, d, mn = w.ext.lane_gather_rows(w.codes, w.d, w._mn(), w.bits, ids)
+    assert torch.equal(codes, file.codes[ids]) and torch.equal(d, file.d[ids])
+    assert torch.equal(mn, file.mn[ids]) if qtype == QT.Q4_1 else mn.numel() == 0
+    codes, d, _ = w.ext.lane_gather_rows(w.codes, w.d, w._mn(), w.bits, torch.empty(0, dtype=torch.int64))
+    assert codes.shape == (0, file.codes.shape[1]) and d.shape == (0, IN // 32)
+    for bad in (OUT, -1):
+        with pytest.raises(RuntimeError, match="out of"):
+            w.rows(torch.tensor([3, bad]))
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 12, 33, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 64])
 def test_block_matmul_matches_fp32_reference(tmp_path: Path, qtype: QT, m: int) -> None:
