@@ -31,7 +31,7 @@ from leanserve.spec_decode.draft_model import DraftModelProposer, shares_kv_cach
 from leanserve.spec_decode.ngram import NgramProposer
 from leanserve.spec_decode.policy import SpeculationPolicy, StepCostModel
 from leanserve.structured.grammar import GrammarState
-from leanserve.worker.cpu_threads import set_num_threads
+from leanserve.worker.cpu_threads import set_num_threads, warn_if_openmp_spins
 from leanserve.worker.malloc_tuning import tune_malloc
 from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 from leanserve.worker.sampler import Sampler
@@ -194,6 +194,7 @@ class LLMEngine:
             self._spec_per_pos = [0] * spec.num_speculative_tokens
         if self.device.type == "cpu":  # steps reuse the heap's pages (leanserve/worker/malloc_tuning.py)
             tune_malloc()
+            warn_if_openmp_spins()
         self.load_time_s = loaded.load_time_s
         self.init_time_s = time.perf_counter() - t0
 

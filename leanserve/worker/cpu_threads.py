@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+import leanserve
 from leanserve.errors import InvalidParameterError
 
 import threadpoolctl
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def set_num_threads(n: int) -> None:
@@ -21,3 +26,19 @@ def set_num_threads(n: int) -> None:
         raise InvalidParameterError("num_threads", f"num_threads must be an integer >= 1, got {n!r}")
     torch.set_num_threads(n)
     threadpoolctl.threadpool_limits(n, user_api="blas")
+
+
+def warn_if_openmp_spins() -> bool:
+    """Log a warning, once per call, when torch was imported before leanserve with ``OMP_WAIT_POLICY`` unset.
+
+    OpenMP reads its wait policy when torch loads it; by default its threads then spin after every parallel torch op
+    (the sampler's softmax and top-k on a sampled request) on the cores that the native decode kernels' own threads
+    need next, which makes CPU decode of sampled requests about twice as slow (README, "Threads"). Returns whether
+    it warned.
+    """
+    if not leanserve.OPENMP_SPINS:
+        return False
+    logger.warning("torch was imported before leanserve with OMP_WAIT_POLICY unset: OpenMP threads spin-wait on "
+                   "the cores the decode kernels use (sampled decode is ~2x slower). Import leanserve first, or "
+                   "run with OMP_WAIT_POLICY=PASSIVE in the environment.")
+    return True
