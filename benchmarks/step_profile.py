@@ -3,8 +3,9 @@ the scheduler, the input tensors, the forward pass (native GEMMs per projection,
 fused add+RMSNorm, RoPE and SwiGLU, and the rest: torch ops and Python between them), the logits (output matrix), the
 sampler and the output processing, per layer where it applies. Where the fused decode applies
 (leanserve/model/fused_decode.py: the layers in one native call, the default for GGUF Q4/Q8 on CPU), it reports the
-step with it ("plain"), the step on the per-op path, the fused call's own time, and the breakdown of the per-op
-path (whose kernels are the same). Usage:
+step with it ("plain"), the step on the per-op path, the fused call's own time split into its phases (qkv, o,
+gate_up and down GEMMs, attention, norms, RoPE + KV write, SiLU; timed inside the native call by its own clock,
+``FusedDecode.set_profiling``), and the breakdown of the per-op path (whose kernels are the same). Usage:
 
     .venv/bin/python -m benchmarks.step_profile [--batch 1] [--steps 64] [--threads 2]
 
@@ -117,13 +118,19 @@ def main() -> None:
     fused = model.fused_decode
     decode_steps(llm, args.batch, 8, None)  # warm-up
     plain = statistics.median(decode_steps(llm, args.batch, args.steps, None))
-    fused_forward = None
+    fused_forward, fused_phases = None, {}
     if fused is not None:  # the fused decode's forward alone (timed around its one native call)
         fclock = Clock()
         fused.forward = fclock.wrap("forward", fused.forward)
         decode_steps(llm, args.batch, args.steps, fclock)
         fused_forward = fclock.seconds["forward"] / args.steps
         del fused.forward
+        fused.set_profiling(True)  # the native call's own phases (a clock read per phase, inside the call)
+        decode_steps(llm, args.batch, args.steps, None)
+        phases = fused.profile()
+        fused.set_profiling(False)
+        n = phases.pop("forwards")
+        fused_phases = {k: v / n for k, v in phases.items()}
     model.fused_decode = None  # the per-op path, whose kernels the breakdown times one by one
     per_op = statistics.median(decode_steps(llm, args.batch, args.steps, None))
     clock = Clock()
@@ -155,6 +162,12 @@ def main() -> None:
     if fused_forward is not None:
         print(f"fused decode: the layers' one native call {fused_forward * 1e3:.3f} ms/step "
               f"(per-op forward below: {forward * 1e3:.3f} ms, of which kernels {(gemm + fused_t + attn) * 1e3:.3f})")
+        timed = sum(fused_phases.values())
+        print(f"phases of the native call (timed inside it, {timed * 1e3:.3f} ms/step in all):")
+        print(f"{'phase':<46}{'ms/step':>9}{'share':>8}{'us/layer':>10}")
+        layers = len(model.layers)
+        for name, s in sorted(fused_phases.items(), key=lambda kv: -kv[1]):
+            print(f"{name:<46}{s * 1e3:>9.3f}{s / timed:>8.1%}{s / layers * 1e6:>10.1f}")
     print(f"breakdown of the per-op path ({wrapped * 1e3:.2f} ms median wrapped); shares are of the mean wrapped "
           f"step, {mean_wrapped * 1e3:.2f} ms")
     print(f"{'part':<46}{'ms/step':>9}{'share':>8}{'calls/step':>12}{'us/call':>9}")
@@ -165,7 +178,8 @@ def main() -> None:
     print(f"{'engine loop between phases (Python)':<46}{other * 1e3:>9.3f}{other / mean_wrapped:>8.1%}")
     write_json(args.out, {"batch": args.batch, "threads": torch.get_num_threads(), "steps": steps,
                           "plain_step_s": plain, "fused_decode": fused is not None,
-                          "fused_forward_s": fused_forward, "per_op_step_s": per_op, "wrapped_step_s": wrapped,
+                          "fused_forward_s": fused_forward, "fused_phases_s_per_step": fused_phases,
+                          "per_op_step_s": per_op, "wrapped_step_s": wrapped,
                           "parts": [{"part": n, "s_per_step": s, "calls_per_step": c} for n, s, c in rows]
                           + [{"part": "engine loop between phases", "s_per_step": other, "calls_per_step": 0}]})
 

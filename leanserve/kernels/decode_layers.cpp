@@ -17,12 +17,19 @@
 //   x [M, H] float32 contiguous, the embedded decode tokens (the residual stream, updated in place);
 //   cos, sin [M, head_dim] float32; slot_mapping [M] int64; block_table [M, max_blocks] int64; seq_lens [M] int64
 //   (as AttentionMetadata's single decode group); scale: the attention scale.
+// set_profiling(on): when on, forward adds each phase's wall time (steady_clock, seconds) to a per-phase total;
+//   off by default (then no clock is read). profile() -> {phase: seconds} summed over all forwards since the last
+//   set_profiling(true), with "forwards" = the number of forward calls (a float).
 // Errors: c10::Error (RuntimeError in Python) on a shape or dtype that does not match the layers.
 #include <torch/extension.h>
 
 #include "kv_write.h"
 
+#include <array>
+#include <chrono>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -37,6 +44,39 @@ torch::Tensor silu_mul(torch::Tensor gu);
 namespace {
 
 constexpr size_t kLayerTensors = 15;
+
+// The phases of a layer, in order (the last one: the final norm after the layers).
+enum Phase { kNorm, kQkv, kRope, kAttn, kO, kGateUp, kSilu, kDown, kFinal, kPhases };
+constexpr std::array<const char*, kPhases> kPhaseNames = {
+    "add+RMSNorm", "qkv GEMM", "bias, RoPE, KV write, q copy", "attention", "o GEMM", "gate_up GEMM",
+    "SiLU(gate) * up", "down GEMM", "final add+RMSNorm"};
+
+// Per-phase wall-time totals; lap(p) charges the time since the previous lap (or start) to phase p.
+class PhaseClock {
+ public:
+  bool on = false;
+  void reset() { totals_.fill(0.0), forwards_ = 0; }
+  void start() {
+    if (on) last_ = std::chrono::steady_clock::now(), ++forwards_;
+  }
+  void lap(Phase p) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    totals_[p] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+  std::map<std::string, double> totals() const {
+    std::map<std::string, double> out;
+    for (int p = 0; p < kPhases; ++p) out[kPhaseNames[p]] = totals_[p];
+    out["forwards"] = static_cast<double>(forwards_);
+    return out;
+  }
+
+ private:
+  std::array<double, kPhases> totals_{};
+  int64_t forwards_ = 0;
+  std::chrono::steady_clock::time_point last_;
+};
 
 class DecodeLayers {
  public:
@@ -76,11 +116,14 @@ class DecodeLayers {
     const torch::Tensor none;  // "no residual to add"
     const auto empty = torch::empty({0}, x.options());
     torch::Tensor pending = empty;
+    clock_.start();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const auto& w = layers_[l];
       const auto& b = bits_[l];
       auto h = add_rms_norm_(x, pending, w[0], eps_);
+      clock_.lap(kNorm);
       auto qkv = lane_quant_gemm(h, w[2], w[3], w[4], b[0]);  // [M, q_size + 2 kv_size]
+      clock_.lap(kQkv);
       if (w[5].numel() > 0) qkv = qkv + w[5];
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv width does not match the heads");
       rope_(qkv, cos, sin, num_heads_, kv_heads_, D);
@@ -93,15 +136,30 @@ class DecodeLayers {
       leanserve::write_kv_rows(qp + q_size, qp + q_size + kv_size, row, D, row, D, slots, M, kv_heads_, D, kc, vc,
                                slots_total);
       auto q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
+      clock_.lap(kRope);
       auto attn = paged_decode_attention(q, k_caches_[l], v_caches_[l], block_table, seq_lens, scale);
+      clock_.lap(kAttn);
       auto o = lane_quant_gemm(attn.view({M, q_size}), w[6], w[7], w[8], b[1]);
+      clock_.lap(kO);
       h = add_rms_norm_(x, o, w[1], eps_);
+      clock_.lap(kNorm);
       auto gu = lane_quant_gemm(h, w[9], w[10], w[11], b[2]);  // [M, 2 I]
+      clock_.lap(kGateUp);
       auto act = silu_mul(gu);
+      clock_.lap(kSilu);
       pending = lane_quant_gemm(act, w[12], w[13], w[14], b[3]);
+      clock_.lap(kDown);
     }
-    return add_rms_norm_(x, pending, final_norm_, eps_);
+    auto out = add_rms_norm_(x, pending, final_norm_, eps_);
+    clock_.lap(kFinal);
+    return out;
   }
+
+  void set_profiling(bool on) {
+    clock_.on = on;
+    if (on) clock_.reset();
+  }
+  std::map<std::string, double> profile() const { return clock_.totals(); }
 
  private:
   std::vector<std::vector<torch::Tensor>> layers_;
@@ -110,6 +168,7 @@ class DecodeLayers {
   double eps_;
   int64_t num_heads_, kv_heads_, head_dim_;
   std::vector<torch::Tensor> k_caches_, v_caches_;
+  PhaseClock clock_;
 };
 
 }  // namespace
@@ -120,5 +179,7 @@ void bind_decode_layers(pybind11::module& m) {
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, torch::Tensor,
                     double, int64_t, int64_t, int64_t>())
       .def("set_caches", &DecodeLayers::set_caches)
+      .def("set_profiling", &DecodeLayers::set_profiling)
+      .def("profile", &DecodeLayers::profile)
       .def("forward", &DecodeLayers::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -87,3 +87,12 @@ class FusedDecode:
             self._caches = kv_caches
         g = meta.decode_groups[0]
         return self._native.forward(x, cos, sin, meta.slot_mapping, g.block_table, g.seq_lens, self._scale)
+
+    def set_profiling(self, on: bool) -> None:
+        """Time each phase of the native forward from now on (resetting the totals), or stop timing."""
+        self._native.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent per phase (``"add+RMSNorm"``, ``"qkv GEMM"``, ``"attention"``, ...) summed over the
+        forwards since :meth:`set_profiling` turned timing on, and ``"forwards"``: how many there were."""
+        return dict(self._native.profile())

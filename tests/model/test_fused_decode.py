@@ -4,6 +4,7 @@ the same kernels in the same order, so every decode step's logits must be bitwis
 from __future__ import annotations
 
 import sys
+import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve import LLM, SamplingParams
@@ -90,3 +91,38 @@ def test_fused_decode_switch(monkeypatch, loaded_auto) -> None:
     monkeypatch.delenv(fused_module.FUSED_DECODE_ENV)
     fp32 = LLM(loaded=loaded_auto, quantization="none", kv_cache_memory=16 << 20)
     assert fp32.engine.runner.model.fused_decode is None  # float weights: the per-op path
+
+
+def test_fused_decode_phase_profile(loaded_auto) -> None:
+    """With profiling on, the native call charges its wall time to its phases (every phase timed, their sum within
+    the calls' own time), counts its calls, and computes the same logits; off, the totals stay as they were."""
+    llm = LLM(loaded=loaded_auto, quantization="auto", kv_cache_memory=32 << 20)
+    fd = llm.engine.runner.model.fused_decode
+    assert fd is not None
+    plain_logits, plain_texts, _ = _decode_logits(llm, ["Once upon a time"], 6)
+    wall = [0.0]
+    forward = fd.forward
+
+    def timed(*args):
+        t = time.perf_counter()
+        out = forward(*args)
+        wall[0] += time.perf_counter() - t
+        return out
+
+    fd.set_profiling(True)
+    fd.forward = timed
+    try:
+        logits, texts, steps = _decode_logits(llm, ["Once upon a time"], 6)
+    finally:
+        fd.__dict__.pop("forward", None)  # _decode_logits drops the instance attribute already
+        fd.set_profiling(False)
+    prof = fd.profile()
+    assert prof.pop("forwards") == steps == 5  # the 5 decode steps after the prefill
+    assert set(prof) == {"add+RMSNorm", "qkv GEMM", "bias, RoPE, KV write, q copy", "attention", "o GEMM",
+                         "gate_up GEMM", "SiLU(gate) * up", "down GEMM", "final add+RMSNorm"}
+    assert all(v > 0 for v in prof.values())
+    assert sum(prof.values()) <= wall[0]
+    assert prof["gate_up GEMM"] > prof["SiLU(gate) * up"]  # 1.1 MB of weights against 3,072 floats
+    assert texts == plain_texts and all(torch.equal(a, b) for a, b in zip(logits, plain_logits, strict=True))
+    _decode_logits(llm, ["Once upon a time"], 3)
+    assert fd.profile() == {**prof, "forwards": 5.0}  # off: nothing more is counted
