@@ -33,7 +33,7 @@ def warn_if_openmp_spins() -> bool:
 
     OpenMP reads its wait policy when torch loads it; by default its threads then spin after every parallel torch op
     (the sampler's softmax and top-k on a sampled request) on the cores that the native decode kernels' own threads
-    need next, which makes CPU decode of sampled requests about twice as slow (README, "Threads"). Returns whether
+    need next, which makes CPU decode of sampled requests about twice as slow (README, "Import order"). Returns whether
     it warned.
     """
     if not leanserve.OPENMP_SPINS:
