@@ -16,9 +16,11 @@ from typing import Any
 # first (otherwise the torch kernels are used). Its effect is measured in the README ("Threads").
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# True when torch (and so OpenMP) was loaded first with no wait policy chosen: its threads spin after each parallel
-# op, on the cores the native decode kernels need (leanserve.worker.cpu_threads.warn_if_openmp_spins)
-OPENMP_SPINS = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+# True when OpenMP's threads spin after each parallel op, on the cores the native decode kernels need
+# (leanserve.worker.cpu_threads.warn_if_openmp_spins): as far as can be told here, when the policy is not PASSIVE
+# (torch loaded first with it unset, empty or invalid, or ACTIVE chosen). A value put into os.environ after torch
+# loaded OpenMP is not seen by OpenMP, yet looks the same here.
+OPENMP_SPINS = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive"
 # OpenBLAS's worker threads spin for 2**28 cycles after each call by default, holding a core that torch's OpenMP
 # threads and leanserve's kernels (leanserve/kernels/spin_pool.h) need next; 2**16 cycles bridges the gaps
 # between the GEMMs of one forward pass. Read when NumPy loads.

@@ -17,8 +17,9 @@
 //   x [M, H] float32 contiguous, the embedded decode tokens (the residual stream, updated in place);
 //   cos, sin [M, head_dim] float32; slot_mapping [M] int64; block_table [M, max_blocks] int64; seq_lens [M] int64
 //   (as AttentionMetadata's single decode group); scale: the attention scale.
-// set_profiling(on): when on, forward adds each phase's wall time (steady_clock, seconds) to a per-phase total;
-//   off by default (then no clock is read). profile() -> {phase: seconds} summed over all forwards since the last
+// set_profiling(on): when on, each forward that starts from then on adds its phases' wall time (steady_clock,
+//   seconds) to per-phase totals; off by default (then no clock is read after the start). Call it and profile()
+//   between forwards (a forward that is running keeps the setting it started with). profile() -> {phase: seconds} summed over all forwards since the last
 //   set_profiling(true), with "forwards" = the number of forward calls (a float).
 // Errors: c10::Error (RuntimeError in Python) on a shape or dtype that does not match the layers.
 #include <torch/extension.h>
@@ -26,6 +27,7 @@
 #include "kv_write.h"
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -51,16 +53,20 @@ constexpr std::array<const char*, kPhases> kPhaseNames = {
     "add+RMSNorm", "qkv GEMM", "bias, RoPE, KV write, q copy", "attention", "o GEMM", "gate_up GEMM",
     "SiLU(gate) * up", "down GEMM", "final add+RMSNorm"};
 
-// Per-phase wall-time totals; lap(p) charges the time since the previous lap (or start) to phase p.
+// Per-phase wall-time totals; lap(p) charges the time since the previous lap (or start) to phase p. Whether a forward
+// is timed is read once, at its start (forward runs without the GIL: set_profiling may come from another thread
+// while one runs; that forward keeps the state it started with).
 class PhaseClock {
  public:
-  bool on = false;
+  std::atomic<bool> on{false};
   void reset() { totals_.fill(0.0), forwards_ = 0; }
   void start() {
-    if (on) last_ = std::chrono::steady_clock::now(), ++forwards_;
+    timing_ = on.load(std::memory_order_acquire);
+    last_ = std::chrono::steady_clock::now();
+    if (timing_) ++forwards_;
   }
   void lap(Phase p) {
-    if (!on) return;
+    if (!timing_) return;
     const auto now = std::chrono::steady_clock::now();
     totals_[p] += std::chrono::duration<double>(now - last_).count();
     last_ = now;
@@ -75,6 +81,7 @@ class PhaseClock {
  private:
   std::array<double, kPhases> totals_{};
   int64_t forwards_ = 0;
+  bool timing_ = false;  // this forward's snapshot of on
   std::chrono::steady_clock::time_point last_;
 };
 
@@ -156,8 +163,8 @@ class DecodeLayers {
   }
 
   void set_profiling(bool on) {
-    clock_.on = on;
     if (on) clock_.reset();
+    clock_.on.store(on, std::memory_order_release);
   }
   std::map<std::string, double> profile() const { return clock_.totals(); }
 

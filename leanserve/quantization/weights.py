@@ -510,7 +510,8 @@ class BlockQuantWeight:
             return self.codes[ids].contiguous(), self.d[ids].contiguous(), mn
         ids = torch.arange(self.shape[0]) if ids is None else ids
         if hasattr(self.ext, "lane_gather_rows"):  # one native pass (an embedding lookup of a prompt's tokens)
-            return self.ext.lane_gather_rows(self.codes, self.d, self._mn(), self.bits, ids.to(torch.int64))
+            ids = ids if ids.is_floating_point() else ids.to(torch.int64)  # float ids: the kernel's dtype error
+            return self.ext.lane_gather_rows(self.codes, self.d, self._mn(), self.bits, ids)
         t, g, lane = ids // 64, ids // 8 % 8, ids % 8
         codes = self.codes[t, :, g, :, lane, :].reshape(len(ids), -1)  # [T, blocks, P, 2] -> the file's row bytes
         mn = self.mn[t, :, g, lane].contiguous() if self.mn is not None else _NONE_F16

@@ -29,7 +29,8 @@ def set_num_threads(n: int) -> None:
 
 
 def warn_if_openmp_spins() -> bool:
-    """Log a warning, once per call, when torch was imported before leanserve with ``OMP_WAIT_POLICY`` unset.
+    """Log a warning, once per call, when OpenMP's wait policy is not PASSIVE (``leanserve.OPENMP_SPINS``): torch
+    imported before leanserve with ``OMP_WAIT_POLICY`` unset (or empty, or invalid), or the variable set to ACTIVE.
 
     OpenMP reads its wait policy when torch loads it; by default its threads then spin after every parallel torch op
     (the sampler's softmax and top-k on a sampled request) on the cores that the native decode kernels' own threads
@@ -38,7 +39,8 @@ def warn_if_openmp_spins() -> bool:
     """
     if not leanserve.OPENMP_SPINS:
         return False
-    logger.warning("torch was imported before leanserve with OMP_WAIT_POLICY unset: OpenMP threads spin-wait on "
-                   "the cores the decode kernels use (sampled decode is ~2x slower). Import leanserve first, or "
-                   "run with OMP_WAIT_POLICY=PASSIVE in the environment.")
+    logger.warning("OpenMP's wait policy is not PASSIVE (torch imported before leanserve with OMP_WAIT_POLICY unset, "
+                   "or set to another value): its threads spin-wait on the cores the decode kernels use (sampled "
+                   "decode is ~2x slower). Import leanserve first, or run with OMP_WAIT_POLICY=PASSIVE in the "
+                   "environment.")
     return True

@@ -126,3 +126,25 @@ def test_fused_decode_phase_profile(loaded_auto) -> None:
     assert texts == plain_texts and all(torch.equal(a, b) for a, b in zip(logits, plain_logits, strict=True))
     _decode_logits(llm, ["Once upon a time"], 3)
     assert fd.profile() == {**prof, "forwards": 5.0}  # off: nothing more is counted
+
+
+def test_fused_decode_profiling_turned_on_from_another_thread(loaded_auto) -> None:
+    """set_profiling(True) from another thread while steps run (the native call runs without the GIL): only the
+    forwards that start after it are timed, so the phases never add up to more than the generation's wall time."""
+    import threading
+
+    llm = LLM(loaded=loaded_auto, quantization="auto", kv_cache_memory=32 << 20)
+    fd = llm.engine.runner.model.fused_decode
+    for delay in (0.02, 0.06):
+        fd.set_profiling(False)
+        toggler = threading.Timer(delay, fd.set_profiling, args=(True,))
+        t = time.perf_counter()
+        toggler.start()
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
+                     use_tqdm=False)
+        wall = time.perf_counter() - t
+        toggler.join()
+        prof = fd.profile()
+        assert 0 < prof.pop("forwards") <= 127
+        assert sum(prof.values()) <= wall
+    fd.set_profiling(False)

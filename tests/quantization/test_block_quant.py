@@ -83,6 +83,9 @@ def test_lane_row_gather_is_the_file_rows(tmp_path: Path, qtype: QT) -> None:
     for bad in (OUT, -1):
         with pytest.raises(RuntimeError, match="out of"):
             w.rows(torch.tensor([3, bad]))
+    assert torch.equal(w.rows(ids.to(torch.int32)), w.rows(ids))  # any integer dtype
+    with pytest.raises(RuntimeError, match="int64"):
+        w.rows(torch.tensor([1.0, 2.7]))  # not truncated to ids
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])

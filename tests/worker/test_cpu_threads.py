@@ -39,16 +39,18 @@ def test_invalid_thread_count_is_a_typed_error(n):
 
 
 @pytest.mark.parametrize(("first", "policy", "warns"), [("torch", None, True), ("leanserve", None, False),
-                                                        ("torch", "PASSIVE", False)])
+                                                        ("torch", "PASSIVE", False), ("torch", "passive", False),
+                                                        ("torch", "", True), ("leanserve", "ACTIVE", True)])
 def test_openmp_spin_warning_follows_the_import_order(first: str, policy: str | None, warns: bool) -> None:
-    """torch imported before leanserve with no OpenMP wait policy: the engine's check warns (a fresh interpreter)."""
+    """OpenMP's wait policy not PASSIVE (torch imported before leanserve with it unset or empty, or ACTIVE chosen):
+    the engine's check warns; PASSIVE in any case, or leanserve first, and it does not (a fresh interpreter each)."""
     code = (f"import {first}\nimport leanserve, torch\nfrom leanserve.worker.cpu_threads import warn_if_openmp_spins\n"
             "import os\nprint(leanserve.OPENMP_SPINS, warn_if_openmp_spins(), os.environ.get('OMP_WAIT_POLICY'))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": policy} if policy
-                                                                              else {})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": policy} if policy is not None else {})
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    spins, warned, seen = run.stdout.split()
+    spins, warned, seen = run.stdout.rstrip("\n").split(" ")
     assert (spins, warned) == (str(warns), str(warns))
     assert ("OMP_WAIT_POLICY=PASSIVE" in run.stderr) == warns
-    assert seen == (policy or ("None" if first == "torch" else "PASSIVE"))
+    assert seen == (policy if policy is not None else ("None" if first == "torch" else "PASSIVE"))
