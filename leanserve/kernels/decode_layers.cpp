@@ -19,8 +19,9 @@
 //   (as AttentionMetadata's single decode group); scale: the attention scale.
 // set_profiling(on): when on, each forward that starts from then on adds its phases' wall time (steady_clock,
 //   seconds) to per-phase totals; off by default (then no clock is read after the start). Call it and profile()
-//   between forwards (a forward that is running keeps the setting it started with). profile() -> {phase: seconds} summed over all forwards since the last
-//   set_profiling(true), with "forwards" = the number of forward calls (a float).
+//   between forwards (a forward that is running keeps the setting it started with).
+// profile() -> {phase: seconds} summed over the timed forwards since the last set_profiling(true), with "forwards" =
+//   the number of those forward calls (a float).
 // Errors: c10::Error (RuntimeError in Python) on a shape or dtype that does not match the layers.
 #include <torch/extension.h>
 
