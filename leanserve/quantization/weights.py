@@ -508,14 +508,10 @@ class BlockQuantWeight:
                 return self.codes, self.d, self._mn()
             mn = self.mn[ids].contiguous() if self.mn is not None else _NONE_F16
             return self.codes[ids].contiguous(), self.d[ids].contiguous(), mn
+        # lane layout: one native pass (the extension that made the lanes has the gather); float ids: its dtype error
         ids = torch.arange(self.shape[0]) if ids is None else ids
-        if hasattr(self.ext, "lane_gather_rows"):  # one native pass (an embedding lookup of a prompt's tokens)
-            ids = ids if ids.is_floating_point() else ids.to(torch.int64)  # float ids: the kernel's dtype error
-            return self.ext.lane_gather_rows(self.codes, self.d, self._mn(), self.bits, ids)
-        t, g, lane = ids // 64, ids // 8 % 8, ids % 8
-        codes = self.codes[t, :, g, :, lane, :].reshape(len(ids), -1)  # [T, blocks, P, 2] -> the file's row bytes
-        mn = self.mn[t, :, g, lane].contiguous() if self.mn is not None else _NONE_F16
-        return codes.contiguous(), self.d[t, :, g, lane].contiguous(), mn
+        ids = ids if ids.is_floating_point() else ids.to(torch.int64)
+        return self.ext.lane_gather_rows(self.codes, self.d, self._mn(), self.bits, ids)
 
     def dequantize(self, use_scratch: bool = False) -> torch.Tensor:
         """The float32 [out, in] matrix, equal to gguf-py's dequantization of the source tensor. With
