@@ -1,6 +1,7 @@
 // Paged decode attention for CPU: one query token per sequence, keys/values read in place from the paged KV cache
 // through each sequence's block table (no gather, no padding). Online softmax per block of tokens (Milakov &
-// Gimelshein 2018, "Online normalizer calculation for softmax"; the flash-decoding split over sequences x KV heads).
+// Gimelshein 2018, "Online normalizer calculation for softmax"), split over sequences x KV heads x partitions of a
+// long sequence's keys (flash-decoding; see DecodeSplit).
 //
 // q:            [N, H, D] float32, contiguous (N sequences, H query heads)
 // k/v_cache:    [num_blocks, block_size, KVH, D] float32 or float16 (read as float32), contiguous
@@ -22,6 +23,107 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// Keys per partition of a long sequence (a multiple of the block size: max(1, kPartTokens / block_size) blocks).
+constexpr int64_t kPartTokens = 256;
+// Keys read per KV head, over all sequences, below which one thread does the whole call (the work is too small to
+// share: waking the pool costs more than it saves).
+constexpr int64_t kParallelKeys = 2048;
+
+// The kernels' tasks (flash-decoding's split, Dao et al. 2023, "Flash-Decoding for long-context inference"): a task
+// is one sequence n, the KV heads [h0, h0 + hpt) and its key blocks [jb, je). A sequence of more than kPartTokens keys
+// is cut into partitions of kPartTokens keys (whatever the batch, the thread count or the task split, so that a
+// sequence's result depends on itself only); each partition's task leaves its running max m, sum l and unnormalized
+// accumulator acc in a partial slot, and merge() combines a sequence's partitions in their order:
+//   M = max_p m_p,  out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
+// A sequence of one partition writes out = acc / l itself (finish).
+struct DecodeSplit {
+  struct Task {
+    int64_t n, h0, jb, je, slot;  // slot: the partial slot, or -1 when the task covers the whole sequence
+  };
+  struct Group {
+    int64_t n, h0, first, count;  // partial slots [first, first + count) of sequence n, heads from h0
+  };
+  std::vector<Task> tasks;
+  std::vector<Group> groups;
+  int64_t width, dim;  // query heads per task (hpt * G) and head size
+  std::vector<float> pm, pl, pacc;  // partial slots: [slots, width], [slots, width], [slots, width, dim]
+
+  // Partitions of a sequence of len keys in blocks of BS.
+  static int64_t parts(int64_t len, int64_t BS) {
+    const int64_t per_part = std::max<int64_t>(1, kPartTokens / BS);
+    return std::max<int64_t>(1, ((len + BS - 1) / BS + per_part - 1) / per_part);
+  }
+
+  // KV heads per task for the SIMD kernels: all of them (a task then reads each token's rows for all KV heads at
+  // once, contiguous memory that the hardware prefetcher streams at ~2x the rate of a per-head stride) when that
+  // leaves at least two tasks per thread, or when one thread does a call of 512 keys or more; else one (below 512
+  // keys the rows mostly come from cache, where the AVX2 kernel's copy of the contiguous rows costs more than it
+  // saves: benchmarks.attention --kernel-batches).
+  static int64_t heads_per_task(const int64_t* sl, int64_t N, int64_t KVH, int64_t BS) {
+    int64_t total = 0;
+    for (int64_t n = 0; n < N; ++n) total += parts(sl[n], BS);
+    int64_t keys = 0;
+    for (int64_t n = 0; n < N; ++n) keys += sl[n];
+    return total >= 2 * at::get_num_threads() || (keys >= 2 * kPartTokens && keys < kParallelKeys) ? KVH : 1;
+  }
+
+  DecodeSplit(const int64_t* sl, int64_t N, int64_t KVH, int64_t hpt, int64_t G, int64_t D, int64_t BS)
+      : width(hpt * G), dim(D) {
+    const int64_t per_part = std::max<int64_t>(1, kPartTokens / BS);
+    int64_t slots = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t blocks = (sl[n] + BS - 1) / BS, count = parts(sl[n], BS);
+      for (int64_t h0 = 0; h0 < KVH; h0 += hpt) {
+        if (count == 1) {
+          tasks.push_back({n, h0, 0, blocks, -1});
+          continue;
+        }
+        groups.push_back({n, h0, slots, count});
+        for (int64_t p = 0; p < count; ++p)
+          tasks.push_back({n, h0, p * per_part, std::min(blocks, (p + 1) * per_part), slots++});
+      }
+    }
+    pm.resize(slots * width);
+    pl.resize(slots * width);
+    pacc.resize(slots * width * dim);
+  }
+
+  // Task i's result: acc [width, dim], m, l [width]; out: the task's first query head's row in the output.
+  void finish(int64_t i, const float* acc, const float* m, const float* l, float* out) {
+    const int64_t slot = tasks[i].slot;
+    if (slot < 0) {
+      for (int64_t e = 0; e < width * dim; ++e) out[e] = acc[e] / l[e / dim];
+      return;
+    }
+    std::memcpy(pm.data() + slot * width, m, width * sizeof(float));
+    std::memcpy(pl.data() + slot * width, l, width * sizeof(float));
+    std::memcpy(pacc.data() + slot * width * dim, acc, width * dim * sizeof(float));
+  }
+
+  // The partitioned sequences' outputs (out [N, H, D]), after all tasks finished.
+  void merge(float* out, int64_t H, int64_t G) const {
+    std::vector<float> w;
+    for (const Group& grp : groups) {
+      float* on = out + (grp.n * H + grp.h0 * G) * dim;
+      for (int64_t h = 0; h < width; ++h) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < grp.count; ++p) mx = std::max(mx, pm[(grp.first + p) * width + h]);
+        w.assign(grp.count, 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < grp.count; ++p) {
+          w[p] = std::exp(pm[(grp.first + p) * width + h] - mx);
+          total += w[p] * pl[(grp.first + p) * width + h];
+        }
+        for (int64_t d = 0; d < dim; ++d) {
+          float a = 0.f;
+          for (int64_t p = 0; p < grp.count; ++p) a += w[p] * pacc[((grp.first + p) * width + h) * dim + d];
+          on[h * dim + d] = a / total;
+        }
+      }
+    }
+  }
+};
+
 }  // namespace
 
 // kD, kG > 0: head size and query heads per KV head known at compile time (fully vectorized loops); 0: runtime.
@@ -41,19 +143,22 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  int64_t total_len = 0;  // keys read per KV head, over all sequences: below ~2k the work is too small to share
+  int64_t total_len = 0;
   for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  const int64_t grain = total_len >= 2048 ? 1 : N * KVH;
-  leanserve::SpinPool::parallel_for(N * KVH, grain, [&](int64_t begin, int64_t end) {
+  DecodeSplit split(sl, N, KVH, 1, G, D, BS);
+  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
+  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
+  leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), m(G), l(G), s(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t n = idx / KVH, kh = idx % KVH;
+      const auto& task = split.tasks[idx];
+      const int64_t n = task.n, kh = task.h0;
       const float* qn = qp + (n * H + kh * G) * D;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t len = sl[n];
-      for (int64_t j = 0; j * BS < len; ++j) {
+      for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t blk = bt[n * MB + j];
         const int64_t cnt = std::min(BS, len - j * BS);
         const T* kb = kp + (blk * BS * KVH + kh) * D;
@@ -92,13 +197,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
           }
         }
       }
-      float* on = op + (n * H + kh * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) on[g * D + d] = acc[g * D + d] * inv;
-      }
+      split.finish(idx, acc.data(), m.data(), l.data(), op + (n * H + kh * G) * D);
     }
   });
+  split.merge(op, H, G);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -118,6 +220,38 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The sums of the 8 lanes of a, b, c and d, in that order: the same adds in the same order for each input, so that
+// a key's score does not depend on its place in a tile (or on the other inputs).
+inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores of the kG query heads at qh ([kG, kD] float32, already scaled) against kTT (1, 2 or 4) keys kb[u * stride]
+// (float32 or float16), of which the first nk are real (kFull: all kTT): s[g * padded + u] for u < kTT, 0 for u >=
+// nk. The kG x kTT dot products are independent FMA chains (one chain per score took a chain's latency per key), each
+// key row loaded (and converted) once for the kG heads.
+template <typename T, int64_t kD, int64_t kG, int64_t kTT, bool kFull>
+inline void scores_tile(const float* qh, const T* kb, int64_t stride, int64_t nk, float* s, int64_t padded) {
+  static_assert(kTT == 1 || kTT == 2 || kTT == 4, "1, 2 or 4 keys per tile");
+  __m256 a[kG][4];
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t u = 0; u < 4; ++u) a[g][u] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < kD / 8; ++c)
+    for (int64_t u = 0; u < kTT; ++u) {
+      if (!kFull && u >= nk) break;
+      const __m256 kv = load8(kb + u * stride + 8 * c);
+      for (int64_t g = 0; g < kG; ++g) a[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * kD + 8 * c), kv, a[g][u]);
+    }
+  for (int64_t g = 0; g < kG; ++g) {
+    const __m128 r = hsum4x8(a[g][0], a[g][1], a[g][2], a[g][3]);
+    float* sg = s + g * padded;
+    if constexpr (kTT == 4) _mm_storeu_ps(sg, r);
+    else if constexpr (kTT == 2) _mm_storel_pi(reinterpret_cast<__m64*>(sg), r);
+    else _mm_store_ss(sg, r);
+  }
+}
+
 // The same computation as decode_kernel with AVX2 intrinsics, for kD % 32 == 0: per block of keys the G scores of a
 // key share one pass over its row, the softmax runs 8 keys at a time, and the value rows are accumulated into
 // register tiles of kVC x 8 dimensions for all G heads (the running sums live in L1 between blocks).
@@ -129,7 +263,7 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
                         const torch::Tensor& bt_c, const torch::Tensor& sl_c, double scale, torch::Tensor& out) {
   static_assert(kD % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t kVC = kG <= 3 ? 4 : kG <= 7 ? 2 : 1;  // 8-float vectors per value tile: kG * kVC accumulators
-  constexpr int64_t kQV = kD / 8;
+  constexpr int64_t kTT = kG <= 3 ? 4 : kG <= 6 ? 2 : 1;  // keys per score tile: kG * kTT <= 12 accumulators
   const int64_t N = q.size(0), H = q.size(1);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = bt_c.size(1);
   const float* qp = q.data_ptr<float>();
@@ -146,19 +280,18 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
 
   int64_t total_len = 0;
   for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  // A task reads a sequence's token rows for all its KV heads at once (contiguous memory, which the hardware
-  // prefetcher streams at ~2x the rate of a per-head stride) when there are enough sequences to share out; else
-  // one task per (sequence, KV head).
-  const int64_t hpt = N >= 2 * at::get_num_threads() ? KVH : 1;  // KV heads per task
-  const int64_t tasks = N * (KVH / hpt);
-  const int64_t grain = total_len >= 2048 ? 1 : tasks;
+  const int64_t hpt = DecodeSplit::heads_per_task(sl, N, KVH, BS);
+  DecodeSplit split(sl, N, KVH, hpt, kG, kD, BS);
+  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
+  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
   leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
     const int64_t state = hpt * kG * kD;
     std::vector<float> qs(state), acc(state), s(kG * padded);
     std::vector<T> kbuf(hpt == KVH ? BS * row : 0), vbuf(hpt == KVH ? BS * row : 0);
     std::vector<float> m(hpt * kG), l(hpt * kG);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t n = idx / (KVH / hpt), h0 = idx % (KVH / hpt) * hpt;
+      const auto& task = split.tasks[idx];
+      const int64_t n = task.n, h0 = task.h0;
       const float* qn = qp + (n * H + h0 * kG) * kD;
       for (int64_t i = 0; i < state; ++i) {
         qs[i] = qn[i] * sc;
@@ -167,10 +300,10 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t len = sl[n];
-      for (int64_t j = 0; j * BS < len; ++j) {
+      for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
         for (int64_t ahead = 1; ahead <= kAhead; ++ahead) {  // blocks are scattered: fetch the next ones early
-          if (j == 0 || ahead == kAhead) {
+          if (j == task.jb || ahead == kAhead) {
             const int64_t jn = j + ahead;
             if (jn * BS >= len) break;
             const int64_t nxt = bt[n * MB + jn] * BS * row + h0 * kD;
@@ -195,15 +328,9 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
           const T* vb = vblk + (h0 + hh) * kD;
           const float* qh = qs.data() + hh * kG * kD;
           float* ah = acc.data() + hh * kG * kD;
-          for (int64_t t = 0; t < cnt; ++t) {  // scores of the kG heads against key t
-            const T* kr = kb + t * row;
-            __m256 dot[kG];
-            for (int64_t g = 0; g < kG; ++g) dot[g] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < kQV; ++c) {
-              const __m256 kv = load8(kr + 8 * c);
-              for (int64_t g = 0; g < kG; ++g) dot[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * kD + 8 * c), kv, dot[g]);
-            }
-            for (int64_t g = 0; g < kG; ++g) s[g * padded + t] = hsum8(dot[g]);
+          for (int64_t t = 0; t < cnt; t += kTT) {  // scores of the kG heads against keys t .. t + kTT - 1
+            if (t + kTT <= cnt) scores_tile<T, kD, kG, kTT, true>(qh, kb + t * row, row, kTT, s.data() + t, padded);
+            else scores_tile<T, kD, kG, kTT, false>(qh, kb + t * row, row, cnt - t, s.data() + t, padded);
           }
           for (int64_t g = 0; g < kG; ++g) {  // online softmax update
             float* sg = s.data() + g * padded;
@@ -247,10 +374,10 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
           }
         }
       }
-      float* on = op + (n * H + h0 * kG) * kD;
-      for (int64_t i = 0; i < state; ++i) on[i] = acc[i] / l[i / kD];
+      split.finish(idx, acc.data(), m.data(), l.data(), op + (n * H + h0 * kG) * kD);
     }
   });
+  split.merge(op, H, kG);
 }
 
 }  // namespace
@@ -349,15 +476,17 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
 
   int64_t total_len = 0;
   for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  const int64_t hpt = N >= 2 * at::get_num_threads() ? KVH : 1;  // KV heads per task, as in the AVX2 path
-  const int64_t tasks = N * (KVH / hpt);
-  const int64_t grain = total_len >= 2048 ? 1 : tasks;
+  const int64_t hpt = DecodeSplit::heads_per_task(sl, N, KVH, BS);
+  DecodeSplit split(sl, N, KVH, hpt, kG, kD, BS);
+  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
+  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
   leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
     const int64_t state = hpt * kG * kD;
     std::vector<float> qs(state), acc(state), s(kG * padded);
     std::vector<float> m(hpt * kG), l(hpt * kG), corr(kG);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t n = idx / (KVH / hpt), h0 = idx % (KVH / hpt) * hpt;
+      const auto& task = split.tasks[idx];
+      const int64_t n = task.n, h0 = task.h0;
       const float* qn = qp + (n * H + h0 * kG) * kD;
       for (int64_t i = 0; i < state; ++i) {
         qs[i] = qn[i] * sc;
@@ -366,10 +495,10 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t len = sl[n];
-      for (int64_t j = 0; j * BS < len; ++j) {
+      for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
         for (int64_t ahead = 1; ahead <= kAhead; ++ahead) {  // blocks are scattered: fetch the next ones early
-          if (j == 0 || ahead == kAhead) {
+          if (j == task.jb || ahead == kAhead) {
             const int64_t jn = j + ahead;
             if (jn * BS >= len) break;
             const int64_t nxt = bt[n * MB + jn] * BS * row + h0 * kD;
@@ -438,10 +567,10 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
           }
         }
       }
-      float* on = op + (n * H + h0 * kG) * kD;
-      for (int64_t i = 0; i < state; ++i) on[i] = acc[i] / l[i / kD];
+      split.finish(idx, acc.data(), m.data(), l.data(), op + (n * H + h0 * kG) * kD);
     }
   });
+  split.merge(op, H, kG);
 }
 
 }  // namespace

@@ -104,8 +104,9 @@ GENERIC = [(64, 2), (32, 2)]
 @pytest.mark.parametrize(("dim", "group"), SPECIALIZED + GENERIC)
 def test_native_kernel_against_float64(dim, group, cache_dtype, kernel_isa):
     """Each instruction-set path within 2e-6 of float64 attention, on lengths that are not multiples of the block
-    size and on a sequence's 1 + k verification rows (speculative decoding: one block table, consecutive lengths);
-    each sequence's output bitwise the same alone as inside the batch (batch invariance)."""
+    size, on sequences split into 2 and 3 partitions of 256 keys (333, 700: the partials merged), and on a
+    sequence's 1 + k verification rows (speculative decoding: one block table, consecutive lengths); each sequence's
+    output bitwise the same alone as inside the batch (batch invariance)."""
     ops = native_ops()
     if ops is None:
         pytest.fail("the native kernel did not build (a C++ compiler and ninja are installed by `make`)")
@@ -113,7 +114,7 @@ def test_native_kernel_against_float64(dim, group, cache_dtype, kernel_isa):
     kv_heads, block_size, num_blocks = 2, 16, 96
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    lens = [1, 15, 16, 17, 250, 251, 252, 40, 333, 3]  # 250-252: the 1 + 2 rows of one sequence's verification
+    lens = [1, 15, 16, 17, 250, 251, 252, 40, 333, 3, 700]  # 250-252: the 1 + 2 rows of one sequence's verification
     # verification rows 5 and 6 share the first row's (4's) blocks
     _, table, seq_lens = scattered_block_tables(lens, block_size, num_blocks, gen, share={5: 4, 6: 4})
     q = torch.randn(len(lens), kv_heads * group, dim, generator=gen)
@@ -124,6 +125,12 @@ def test_native_kernel_against_float64(dim, group, cache_dtype, kernel_isa):
         alone = ops.paged_decode_attention(q[i:i + 1].clone(), k_cache, v_cache, table[i:i + 1].clone(),
                                            seq_lens[i:i + 1].clone(), dim ** -0.5)
         assert torch.equal(alone[0], out[i]), f"sequence {i}: not bitwise equal alone and in the batch"
+    threads = torch.get_num_threads()
+    try:  # one thread: other tasks (KV heads per task) and no parallel partitions, the same bits
+        torch.set_num_threads(1)
+        assert torch.equal(ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, dim ** -0.5), out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
