@@ -9,6 +9,7 @@ import sys
 import time
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
+from leanserve import kernels
 from leanserve.config import EngineConfig
 from leanserve.errors import EnvironmentSettingError, InvalidParameterError
 from leanserve.kernels import l3_cache_bytes, native_ops, use_streaming_prefetch
@@ -284,9 +285,12 @@ def test_kernels_write_into_a_given_output_or_refuse_a_wrong_one() -> None:
 
 def test_prefetch_hint_changes_no_result_and_follows_the_cache_size() -> None:
     """The lane kernels' prefetch hint (t0 or nta) only moves data between caches: every row count gives the same
-    bits under both. The rule: nta once a model's weights exceed the L3 cache, sticky for the process."""
+    bits under both. The rule: nta once a model's weights exceed the L3 cache, sticky for the process (the rule sets
+    the process's build, leanserve.kernels.native_ops(), whatever path this test's ext is; an earlier test that
+    loaded the default model may have left it nta)."""
     ext = native_ops()
-    before = ext.lane_prefetch_hint()
+    process_ext = kernels.native_ops()
+    before, process_before = ext.lane_prefetch_hint(), process_ext.lane_prefetch_hint()
     try:
         for kind in ("Q4_1", "Q8_0"):
             w = _weight(kind, out=320, k=IN)
@@ -299,7 +303,7 @@ def test_prefetch_hint_changes_no_result_and_follows_the_cache_size() -> None:
                 assert torch.equal(w.kernel(x), y0), (kind, rows)
         with pytest.raises(RuntimeError, match="t0 or nta"):
             ext.set_lane_prefetch_hint("t1")
-        ext.set_lane_prefetch_hint("t0")
+        process_ext.set_lane_prefetch_hint("t0")
         assert use_streaming_prefetch(96 << 20, l3_bytes=480 << 20) == "t0"  # fits: stays cached, t0
         assert use_streaming_prefetch(96 << 20, l3_bytes=32 << 20) == "nta"  # streams through a 32 MiB L3
         assert use_streaming_prefetch(1 << 20, l3_bytes=32 << 20) == "nta"  # sticky: a small draft model after it
@@ -307,3 +311,4 @@ def test_prefetch_hint_changes_no_result_and_follows_the_cache_size() -> None:
         assert l3 is None or l3 >= 1 << 20
     finally:
         ext.set_lane_prefetch_hint(before)
+        process_ext.set_lane_prefetch_hint(process_before)
