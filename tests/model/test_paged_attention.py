@@ -133,10 +133,10 @@ def test_native_kernel_against_float64(dim, group, cache_dtype, kernel_isa):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("block_size", [8, 32, 512])
 def test_native_kernel_other_block_sizes(block_size, kernel_isa):
     """Blocks of fewer and of more than 16 tokens (the AVX-512 path's score vector) on the model's shape (D 64,
-    G 3, float16 cache), against float64."""
+    G 3, float16 cache), against float64; blocks of more than 256 tokens make partitions of one block each."""
     ops = native_ops()
     if ops is None:
         pytest.fail("the native kernel did not build (a C++ compiler and ninja are installed by `make`)")
