@@ -22,7 +22,8 @@ None: the SDPA path) in alternation in one process, so a shared machine's load h
     .venv/bin/python -m benchmarks.attention [--batches 1,8] [--contexts 128,1024,4096] [--kv-cache-dtypes auto,float16]
         [--prefill-keys 256,1024,2048] [--prefill-only] [--engine-prefill 512,2048 [--engine-repeats 5]]
         [--kernel-batches 1,4,16 [--kernel-contexts 128,512,1024,2048,4096] [--baseline-ext PATH.so]]
-Writes benchmarks/results/attention.json and prints tables.
+Writes benchmarks/results/attention.json (the decode kernel section: attention_decode_kernel.json) and prints
+tables.
 """
 
 from __future__ import annotations
@@ -228,8 +229,10 @@ def main() -> None:
     ap.add_argument("--kernel-batches", default="", help="decode kernel section: batch sizes (e.g. 1,4,16)")
     ap.add_argument("--kernel-contexts", default="128,512,1024,2048,4096")
     ap.add_argument("--baseline-ext", default="", help="decode kernel section: another build's .so, timed beside")
-    ap.add_argument("--out", default="benchmarks/results/attention.json")
+    ap.add_argument("--out", default="", help="default benchmarks/results/attention.json, "
+                    "attention_decode_kernel.json with --kernel-batches")
     args = ap.parse_args()
+    args.out = args.out or f"benchmarks/results/attention{'_decode_kernel' if args.kernel_batches else ''}.json"
     if args.kernel_batches:
         kernel = decode_kernel([int(b) for b in args.kernel_batches.split(",")],
                                [int(c) for c in args.kernel_contexts.split(",")], args.repeats, args.baseline_ext)
