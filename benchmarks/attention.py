@@ -29,12 +29,8 @@ tables.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import statistics
 import time
-from pathlib import Path
-from types import ModuleType
 
 from leanserve.core.request import Request
 from leanserve.core.scheduler import ScheduledRequest
@@ -46,7 +42,7 @@ from leanserve.worker.model_runner import ModelRunner, allocate_kv_cache
 
 import torch
 
-from benchmarks.common import write_json
+from benchmarks.common import load_extension, write_json
 
 BLOCK = 16
 
@@ -138,15 +134,6 @@ def measure_prefill(keys: int, repeats: int, chunk: int = 256) -> dict:
         if name != "sdpa":
             row[f"{name}_speedup"] = row["sdpa_ms"] / row[f"{name}_ms"]
     return row
-
-
-def load_extension(path: str) -> ModuleType:
-    """The kernel extension built at ``path`` (a ``leanserve_kernels_<key>`` .so), loaded beside this build's."""
-    name = Path(path).name.split(".")[0]
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
-    loader.exec_module(module)
-    return module
 
 
 def decode_kernel(batches: list[int], contexts: list[int], repeats: int, baseline: str = "") -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -183,3 +184,12 @@ def write_json(path: str, payload: dict) -> None:
     payload = {"argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": cpu_info(), **payload}
     out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {out}")
+
+
+def load_extension(so: str):
+    """The kernel extension built at ``so`` (a ``leanserve_kernels_<key>`` shared object, e.g. another source tree's
+    build in the torch_extensions cache), imported beside this checkout's."""
+    spec = importlib.util.spec_from_file_location(Path(so).name.split(".")[0], so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -13,7 +13,6 @@ Writes benchmarks/results/lane_rows.json and prints the ratios.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
+
+from benchmarks.common import load_extension
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32)
 # (name, weights of one layer whose rows are concatenated, as the model packs them)
@@ -35,11 +36,7 @@ def baseline_ext(tree: str):
     code = "from leanserve.kernels import native_ops; print(native_ops().__file__)"
     so = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=tree), cwd=tree, check=True,
                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    name = Path(so).name.split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_extension(so)
 
 
 def engine_with(ext, loaded):

@@ -45,6 +45,8 @@ struct DecodeSplit {
   };
   std::vector<Task> tasks;
   std::vector<Group> groups;
+  int64_t hpt = 1;    // KV heads per task
+  int64_t grain = 1;  // parallel_for's grain: all tasks on the calling thread below kParallelKeys keys
   int64_t width, dim;  // query heads per task (hpt * G) and head size
   std::vector<float> pm, pl, pacc;  // partial slots: [slots, width], [slots, width], [slots, width, dim]
 
@@ -54,21 +56,21 @@ struct DecodeSplit {
     return std::max<int64_t>(1, ((len + BS - 1) / BS + per_part - 1) / per_part);
   }
 
-  // KV heads per task for the SIMD kernels: all of them (a task then reads each token's rows for all KV heads at
-  // once, contiguous memory that the hardware prefetcher streams at ~2x the rate of a per-head stride) when that
-  // leaves at least two tasks per thread, or when one thread does a call of 512 keys or more; else one (below 512
-  // keys the rows mostly come from cache, where the AVX2 kernel's copy of the contiguous rows costs more than it
-  // saves: benchmarks.attention --kernel-batches).
-  static int64_t heads_per_task(const int64_t* sl, int64_t N, int64_t KVH, int64_t BS) {
-    int64_t total = 0;
-    for (int64_t n = 0; n < N; ++n) total += parts(sl[n], BS);
-    int64_t keys = 0;
-    for (int64_t n = 0; n < N; ++n) keys += sl[n];
-    return total >= 2 * at::get_num_threads() || (keys >= 2 * kPartTokens && keys < kParallelKeys) ? KVH : 1;
-  }
-
-  DecodeSplit(const int64_t* sl, int64_t N, int64_t KVH, int64_t hpt, int64_t G, int64_t D, int64_t BS)
-      : width(hpt * G), dim(D) {
+  // all_heads: the kernel can take all KV heads per task (the SIMD kernels). It does so (a task then reads each
+  // token's rows for all KV heads at once, contiguous memory that the hardware prefetcher streams at ~2x the rate of
+  // a per-head stride) when that leaves at least two tasks per thread, or when one thread does a call of 512 keys or
+  // more; else one head per task (below 512 keys the rows mostly come from cache, where the AVX2 kernel's copy of
+  // the contiguous rows costs more than it saves: benchmarks.attention --kernel-batches).
+  DecodeSplit(const int64_t* sl, int64_t N, int64_t KVH, int64_t G, int64_t D, int64_t BS, bool all_heads)
+      : dim(D) {
+    int64_t keys = 0, total_parts = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      keys += sl[n];
+      total_parts += parts(sl[n], BS);
+    }
+    if (all_heads && (total_parts >= 2 * at::get_num_threads() || (keys >= 2 * kPartTokens && keys < kParallelKeys)))
+      hpt = KVH;
+    width = hpt * G;
     const int64_t per_part = std::max<int64_t>(1, kPartTokens / BS);
     int64_t slots = 0;
     for (int64_t n = 0; n < N; ++n) {
@@ -83,10 +85,13 @@ struct DecodeSplit {
           tasks.push_back({n, h0, p * per_part, std::min(blocks, (p + 1) * per_part), slots++});
       }
     }
+    if (keys < kParallelKeys) grain = std::max<int64_t>(1, size());
     pm.resize(slots * width);
     pl.resize(slots * width);
     pacc.resize(slots * width * dim);
   }
+
+  int64_t size() const { return static_cast<int64_t>(tasks.size()); }
 
   // Task i's result: acc [width, dim], m, l [width]; out: the task's first query head's row in the output.
   void finish(int64_t i, const float* acc, const float* m, const float* l, float* out) {
@@ -143,12 +148,8 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  int64_t total_len = 0;
-  for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  DecodeSplit split(sl, N, KVH, 1, G, D, BS);
-  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
-  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
-  leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
+  DecodeSplit split(sl, N, KVH, G, D, BS, false);
+  leanserve::SpinPool::parallel_for(split.size(), split.grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), m(G), l(G), s(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
       const auto& task = split.tasks[idx];
@@ -278,13 +279,9 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
   const int64_t padded = (BS + 7) / 8 * 8;
   constexpr int64_t kAhead = 2;
 
-  int64_t total_len = 0;
-  for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  const int64_t hpt = DecodeSplit::heads_per_task(sl, N, KVH, BS);
-  DecodeSplit split(sl, N, KVH, hpt, kG, kD, BS);
-  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
-  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
-  leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
+  DecodeSplit split(sl, N, KVH, kG, kD, BS, true);
+  const int64_t hpt = split.hpt;
+  leanserve::SpinPool::parallel_for(split.size(), split.grain, [&](int64_t begin, int64_t end) {
     const int64_t state = hpt * kG * kD;
     std::vector<float> qs(state), acc(state), s(kG * padded);
     std::vector<T> kbuf(hpt == KVH ? BS * row : 0), vbuf(hpt == KVH ? BS * row : 0);
@@ -474,13 +471,9 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
   constexpr int64_t kAhead = 2;
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
 
-  int64_t total_len = 0;
-  for (int64_t n = 0; n < N; ++n) total_len += sl[n];
-  const int64_t hpt = DecodeSplit::heads_per_task(sl, N, KVH, BS);
-  DecodeSplit split(sl, N, KVH, hpt, kG, kD, BS);
-  const int64_t tasks = static_cast<int64_t>(split.tasks.size());
-  const int64_t grain = total_len >= kParallelKeys ? 1 : tasks;
-  leanserve::SpinPool::parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
+  DecodeSplit split(sl, N, KVH, kG, kD, BS, true);
+  const int64_t hpt = split.hpt;
+  leanserve::SpinPool::parallel_for(split.size(), split.grain, [&](int64_t begin, int64_t end) {
     const int64_t state = hpt * kG * kD;
     std::vector<float> qs(state), acc(state), s(kG * padded);
     std::vector<float> m(hpt * kG), l(hpt * kG), corr(kG);
