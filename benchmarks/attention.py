@@ -10,10 +10,11 @@ torch's SDPA path (gather + mask, as without the kernel) beside the native kerne
 (leanserve/kernels/prefill_attention.cpp), fastest of ``--repeats`` after a warm-up.
 
 Decode kernel (``--kernel-batches 1,4,16``): the 30 layers' ``paged_decode_attention`` calls alone, on the model's
-shape (9 query heads on 3 KV heads, head size 64, block size 16) over random fp32 caches of 30 layers in scattered
-blocks (a pool twice the tokens read, so long contexts come from DRAM as in a served model), per batch and context,
-fastest of ``--repeats``; with ``--baseline-ext PATH.so`` (a kernel build of another source, e.g. from the
-torch_extensions cache before a change) that build is timed in the same turns and its outputs compared.
+shape (9 query heads on 3 KV heads, head size 64, block size 16) over random caches of 30 layers (fp32, or each dtype
+of ``--kernel-kv-dtypes float32,float16``) in scattered blocks (a pool twice the tokens read, so long contexts come
+from DRAM as in a served model), per batch and context, fastest of ``--repeats``; with ``--baseline-ext PATH.so``
+(a kernel build of another source, e.g. from the torch_extensions cache before a change) that build is timed in the
+same turns and its outputs compared.
 
 Engine prefill (``--engine-prefill 512,2048``): cold prefill tokens/s of a prompt of each length on the default
 engine (native Q4_1, ``--prefill-gemm auto``), the prefill kernel on and off (``runner.prefill_kernel`` set to
@@ -21,7 +22,8 @@ None: the SDPA path) in alternation in one process, so a shared machine's load h
 ``--engine-repeats``. Usage:
     .venv/bin/python -m benchmarks.attention [--batches 1,8] [--contexts 128,1024,4096] [--kv-cache-dtypes auto,float16]
         [--prefill-keys 256,1024,2048] [--prefill-only] [--engine-prefill 512,2048 [--engine-repeats 5]]
-        [--kernel-batches 1,4,16 [--kernel-contexts 128,512,1024,2048,4096] [--baseline-ext PATH.so]]
+        [--kernel-batches 1,4,16 [--kernel-contexts 128,512,1024,2048,4096] [--kernel-kv-dtypes float32,float16]
+         [--baseline-ext PATH.so]]
 Writes benchmarks/results/attention.json (the decode kernel section: attention_decode_kernel.json) and prints
 tables.
 """
@@ -29,6 +31,7 @@ tables.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -136,8 +139,10 @@ def measure_prefill(keys: int, repeats: int, chunk: int = 256) -> dict:
     return row
 
 
-def decode_kernel(batches: list[int], contexts: list[int], repeats: int, baseline: str = "") -> list[dict]:
-    """Milliseconds of the 30 layers' paged_decode_attention per (batch, context), this build and a baseline's."""
+def decode_kernel(batches: list[int], contexts: list[int], repeats: int, baseline: str = "",
+                  kv_dtypes: tuple[str, ...] = ("float32",)) -> list[dict]:
+    """Milliseconds of the 30 layers' paged_decode_attention per (KV dtype, batch, context), this build and a
+    baseline's."""
     from leanserve.kernels import native_ops
 
     builds = {"kernel": native_ops()}
@@ -147,35 +152,35 @@ def decode_kernel(batches: list[int], contexts: list[int], repeats: int, baselin
         builds["baseline"] = load_extension(baseline)
     layers, heads, kv_heads, head_dim = 30, 9, 3, 64
     rows = []
-    for batch in batches:
-        for context in contexts:
-            g = torch.Generator().manual_seed(batch * 100_000 + context)
-            per_seq = -(-context // BLOCK)
-            pool = 2 * batch * per_seq
-            caches = [(torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g),
-                       torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g)) for _ in range(layers)]
-            table = torch.randperm(pool, generator=g)[:batch * per_seq].view(batch, per_seq).clone()
-            seq_lens = torch.full((batch,), context)
-            q = torch.randn(batch, heads, head_dim, generator=g)
+    for kv_dtype, batch, context in itertools.product(kv_dtypes, batches, contexts):
+        g = torch.Generator().manual_seed(batch * 100_000 + context)
+        per_seq = -(-context // BLOCK)
+        pool = 2 * batch * per_seq
+        dtype = getattr(torch, kv_dtype)
+        caches = [(torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).to(dtype),
+                   torch.randn(pool, BLOCK, kv_heads, head_dim, generator=g).to(dtype)) for _ in range(layers)]
+        table = torch.randperm(pool, generator=g)[:batch * per_seq].view(batch, per_seq).clone()
+        seq_lens = torch.full((batch,), context)
+        q = torch.randn(batch, heads, head_dim, generator=g)
 
-            def run(ext, caches=caches, table=table, seq_lens=seq_lens, q=q):
-                return [ext.paged_decode_attention(q, k, v, table, seq_lens, head_dim ** -0.5) for k, v in caches]
+        def run(ext, caches=caches, table=table, seq_lens=seq_lens, q=q):
+            return [ext.paged_decode_attention(q, k, v, table, seq_lens, head_dim ** -0.5) for k, v in caches]
 
-            outs = {name: run(ext) for name, ext in builds.items()}  # the warm-up
-            best = dict.fromkeys(builds, float("inf"))
-            for _ in range(repeats):
-                for name, ext in builds.items():
-                    t0 = time.perf_counter()
-                    run(ext)
-                    best[name] = min(best[name], time.perf_counter() - t0)
-            row = {"batch": batch, "context": context, "threads": torch.get_num_threads(),
-                   "kernel_ms": 1e3 * best["kernel"]}
-            if baseline:
-                row["baseline_ms"] = 1e3 * best["baseline"]
-                row["speedup"] = best["baseline"] / best["kernel"]
-                row["max_abs_diff"] = max((a - b).abs().max().item()
-                                          for a, b in zip(outs["kernel"], outs["baseline"], strict=True))
-            rows.append(row)
+        outs = {name: run(ext) for name, ext in builds.items()}  # the warm-up
+        best = dict.fromkeys(builds, float("inf"))
+        for _ in range(repeats):
+            for name, ext in builds.items():
+                t0 = time.perf_counter()
+                run(ext)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        row = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "threads": torch.get_num_threads(),
+               "kernel_ms": 1e3 * best["kernel"]}
+        if baseline:
+            row["baseline_ms"] = 1e3 * best["baseline"]
+            row["speedup"] = best["baseline"] / best["kernel"]
+            row["max_abs_diff"] = max((a - b).abs().max().item()
+                                      for a, b in zip(outs["kernel"], outs["baseline"], strict=True))
+        rows.append(row)
     return rows
 
 
@@ -215,6 +220,8 @@ def main() -> None:
     ap.add_argument("--engine-repeats", type=int, default=5)
     ap.add_argument("--kernel-batches", default="", help="decode kernel section: batch sizes (e.g. 1,4,16)")
     ap.add_argument("--kernel-contexts", default="128,512,1024,2048,4096")
+    ap.add_argument("--kernel-kv-dtypes", default="float32", help="decode kernel section: comma-separated float32, "
+                    "float16")
     ap.add_argument("--baseline-ext", default="", help="decode kernel section: another build's .so, timed beside")
     ap.add_argument("--out", default="", help="default benchmarks/results/attention.json, "
                     "attention_decode_kernel.json with --kernel-batches")
@@ -222,14 +229,14 @@ def main() -> None:
     args.out = args.out or f"benchmarks/results/attention{'_decode_kernel' if args.kernel_batches else ''}.json"
     if args.kernel_batches:
         kernel = decode_kernel([int(b) for b in args.kernel_batches.split(",")],
-                               [int(c) for c in args.kernel_contexts.split(",")], args.repeats, args.baseline_ext)
-        print(f"\nDecode kernel: 30 layers' paged_decode_attention (fp32 cache, {torch.get_num_threads()} threads), "
-              f"fastest ms")
-        print(f"{'batch':>6}{'context':>9}{'kernel':>9}" + (f"{'baseline':>10}{'x':>7}{'max diff':>10}"
-                                                           if args.baseline_ext else ""))
+                               [int(c) for c in args.kernel_contexts.split(",")], args.repeats, args.baseline_ext,
+                               tuple(args.kernel_kv_dtypes.split(",")))
+        print(f"\nDecode kernel: 30 layers' paged_decode_attention ({torch.get_num_threads()} threads), fastest ms")
+        print(f"{'KV':>8}{'batch':>6}{'context':>9}{'kernel':>9}" + (f"{'baseline':>10}{'x':>7}{'max diff':>10}"
+                                                                     if args.baseline_ext else ""))
         for r in kernel:
             ab = f"{r['baseline_ms']:>10.2f}{r['speedup']:>7.2f}{r['max_abs_diff']:>10.1e}" if args.baseline_ext else ""
-            print(f"{r['batch']:>6}{r['context']:>9}{r['kernel_ms']:>9.2f}{ab}")
+            print(f"{r['kv_dtype']:>8}{r['batch']:>6}{r['context']:>9}{r['kernel_ms']:>9.2f}{ab}")
         write_json(args.out, {"decode_kernel": kernel, "baseline_ext": args.baseline_ext})
         return
     prefill = [measure_prefill(int(n), 3 * args.repeats) for n in args.prefill_keys.split(",") if n]

@@ -267,6 +267,9 @@ class EngineConfig:
                                "AVX512_BF16, else int8 on AVX2 builds, else lane)", choices=PREFILL_GEMMS)
     kv_cache_dtype: str = option("auto", "KV cache: auto (the model dtype), float16, or int8 (a scale per token "
                                  "and KV head)", choices=KV_CACHE_DTYPES)
+    kv_cache_prefault: bool = option(False, "make the whole KV pool resident at start (written once, its zeros "
+                                     "kept), as llama.cpp's KV clear does: the first requests then pay no page "
+                                     "faults, for a longer start where memory is slow to fault in (VMs)")
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (fields of '
         "SpeculativeConfig; default: off)", metavar="JSON")
@@ -285,7 +288,7 @@ class EngineConfig:
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_int("seed", self.seed, -(2**63))
         _check_int("num_threads", self.num_threads, 1, optional=True)
-        for name in ("enable_prefix_caching", "use_native_kernels", "batch_invariant"):
+        for name in ("enable_prefix_caching", "use_native_kernels", "batch_invariant", "kv_cache_prefault"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
         check_quantization(self.quantization, self.quantization_group_size)

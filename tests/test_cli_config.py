@@ -28,9 +28,11 @@ def test_request_seed_and_engine_seed_are_separate():
 
 def test_flags_reach_their_fields():
     args = build_parser().parse_args(["serve", "--threads", "2", "-q", "int8", "--no-enable-prefix-caching", "--port",
-                                      "0", "--speculative-config", '{"num_speculative_tokens": 3}'])
+                                      "0", "--speculative-config", '{"num_speculative_tokens": 3}',
+                                      "--kv-cache-prefault"])
     cfg, server = engine_config(args), config_from_args(ServerConfig, args)
     assert (cfg.num_threads, cfg.quantization, cfg.enable_prefix_caching) == (2, "int8", False)
+    assert cfg.kv_cache_prefault and not engine_config(build_parser().parse_args(["serve"])).kv_cache_prefault
     assert cfg.speculative_config.num_speculative_tokens == 3 and server.port == 0
 
 

@@ -24,7 +24,7 @@ from leanserve.model.attention import PREFILL_MIN_ROWS
 from leanserve.model.llama import LlamaModel
 from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
-from leanserve.quantization.kv_cache import kv_bytes_per_token
+from leanserve.quantization.kv_cache import kv_bytes_per_token, prefault_pool
 from leanserve.quantization.prefill_gemm import configure_prefill_gemm, prefill_gemm_engine
 from leanserve.sampling_params import SamplingParams
 from leanserve.spec_decode.draft_model import DraftModelProposer, shares_kv_cache
@@ -151,6 +151,8 @@ class LLMEngine:
                                    min_chunk_tokens=PREFILL_MIN_ROWS)
         per_layer = [swa.num_local_blocks if s else num_blocks for s in sliding] if swa else num_blocks
         kv_caches = allocate_kv_cache(self.model, per_layer, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
+        if config.kv_cache_prefault:
+            self._prefault(kv_caches)
         ext = native_ops() if config.use_native_kernels and self.device.type == "cpu" else None
         sampler = Sampler(self.tokenizer.stop_token_ids, argmax_kernel=getattr(ext, "argmax_rows", None))
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, sampler,
@@ -179,6 +181,8 @@ class LLMEngine:
                 else:
                     draft_caches = allocate_kv_cache(draft, num_blocks, config.block_size,
                                                      kv_cache_dtype=config.kv_cache_dtype)
+                    if config.kv_cache_prefault:
+                        self._prefault(draft_caches)
                 self.drafter = DraftModelProposer(draft, draft_caches, config.block_size, config.use_native_kernels,
                                                   shares_target_cache=share_draft_kv)
             cost = draft_cost = None
@@ -205,6 +209,14 @@ class LLMEngine:
             raise InvalidParameterError("kv_cache_memory", f"kv_cache_memory={mem} bytes holds no block of "
                                         f"{self.config.block_size} tokens ({self.kv_bytes_per_token} bytes per token)")
         return num_blocks
+
+    @staticmethod
+    def _prefault(kv_caches: list) -> None:
+        """--kv-cache-prefault: the pool resident before the first request (logged with the time it took)."""
+        t0 = time.perf_counter()
+        nbytes = prefault_pool(kv_caches)
+        logger.info("KV pool resident: %.0f MiB in %.2f s (--kv-cache-prefault)", nbytes / 2**20,
+                    time.perf_counter() - t0)
 
     def _default_kv_memory(self) -> int:
         if self.device.type == "cuda":

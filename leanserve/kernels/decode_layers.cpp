@@ -12,7 +12,8 @@
 //                o lanes, o dl, o ml, gate_up lanes, gate_up dl, gate_up ml, down lanes, down dl, down ml]
 //               (the lane layout of BlockQuantWeight: leanserve/quantization/weights.py; ml empty for 8-bit);
 //   bits[l] = the bits (4 or 8) of qkv, o, gate_up, down.
-// set_caches(k_caches, v_caches): per layer [num_blocks, block_size, kv_heads, head_dim] float32 contiguous.
+// set_caches(k_caches, v_caches): per layer [num_blocks, block_size, kv_heads, head_dim] contiguous, all float32 or
+//   all float16 (written as write_kv_ writes them: rounded to nearest even).
 // forward(x, cos, sin, slot_mapping, block_table, seq_lens, scale) -> [M, H] float32, the final norm's output:
 //   x [M, H] float32 contiguous, the embedded decode tokens (the residual stream, updated in place);
 //   cos, sin [M, head_dim] float32; slot_mapping [M] int64; block_table [M, max_blocks] int64; seq_lens [M] int64
@@ -102,11 +103,13 @@ class DecodeLayers {
 
   void set_caches(std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
+    const auto dtype = k_caches.empty() ? torch::kFloat32 : k_caches[0].scalar_type();
     for (size_t l = 0; l < k_caches.size(); ++l) {
       for (const auto* c : {&k_caches[l], &v_caches[l]}) {
-        TORCH_CHECK(c->dtype() == torch::kFloat32 && c->is_contiguous() && c->dim() == 4 &&
-                    c->size(2) == kv_heads_ && c->size(3) == head_dim_,
-                    "KV caches must be [blocks, block_size, kv_heads, head_dim] float32 contiguous");
+        TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kFloat16) && c->scalar_type() == dtype &&
+                    c->is_contiguous() && c->dim() == 4 && c->size(2) == kv_heads_ && c->size(3) == head_dim_,
+                    "KV caches must be [blocks, block_size, kv_heads, head_dim] contiguous, all float32 or all "
+                    "float16");
       }
     }
     k_caches_ = std::move(k_caches);
@@ -136,13 +139,15 @@ class DecodeLayers {
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv width does not match the heads");
       rope_(qkv, cos, sin, num_heads_, kv_heads_, D);
       const int64_t slots_total = k_caches_[l].size(0) * k_caches_[l].size(1);
-      float* kc = k_caches_[l].data_ptr<float>();
-      float* vc = v_caches_[l].data_ptr<float>();
       const float* qp = qkv.data_ptr<float>();
       const int64_t row = qkv.size(1);
       // the KV write (kv_write.h, shared with write_kv_): index_copy_ of the k and v columns through the slots
-      leanserve::write_kv_rows(qp + q_size, qp + q_size + kv_size, row, D, row, D, slots, M, kv_heads_, D, kc, vc,
-                               slots_total);
+      if (k_caches_[l].scalar_type() == torch::kFloat16)
+        leanserve::write_kv_rows(qp + q_size, qp + q_size + kv_size, row, D, row, D, slots, M, kv_heads_, D,
+                                 k_caches_[l].data_ptr<at::Half>(), v_caches_[l].data_ptr<at::Half>(), slots_total);
+      else
+        leanserve::write_kv_rows(qp + q_size, qp + q_size + kv_size, row, D, row, D, slots, M, kv_heads_, D,
+                                 k_caches_[l].data_ptr<float>(), v_caches_[l].data_ptr<float>(), slots_total);
       auto q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
       clock_.lap(kRope);
       auto attn = paged_decode_attention(q, k_caches_[l], v_caches_[l], block_table, seq_lens, scale);

@@ -211,6 +211,38 @@ namespace {
 
 using leanserve::exp_nonpos;  // simd_exp.h
 
+// Blocks read ahead of the one in use, and the hint: blocks are scattered, so each task prefetches the K and V rows
+// of its next kAheadBlocks blocks, into L2 (T1). With all KV heads per task a block is 2 x 16 x 3 x 64 float16 = 12
+// KiB for the default model, so two blocks ahead plus the current one are 36 KiB, more than a 32 KiB L1: T0 evicted
+// lines before they were read (T1 measured faster at batches 1-64, float16 and float32, in both kernels: see
+// benchmarks/README.md, python -m benchmarks.attention --kernel-batches).
+constexpr int64_t kAheadBlocks = 2;
+
+// Prefetches (into L2) the K and V rows of cnt tokens at element offset base of the caches kp, vp: width elements
+// per token, row elements apart.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_block(const T* kp, const T* vp, int64_t base, int64_t cnt,
+                                                         int64_t row, int64_t width) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t t = 0; t < cnt; ++t)
+    for (int64_t c = 0; c < width; c += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(kp + base + t * row + c), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + base + t * row + c), _MM_HINT_T1);
+    }
+}
+
+// Prefetches block j + kAheadBlocks of a task whose first block is jb (and at j == jb, block j + 1 too): width
+// elements from element offset off of each token's row; bt: the sequence's block table, len: its tokens, BS: tokens
+// per block. Both helpers are always_inline: GCC 12 at -O2/-O3 found an out-of-line copy free of side effects (a
+// prefetch is none, and C++ loops are finite) and dropped its calls.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_ahead(const T* kp, const T* vp, const int64_t* bt, int64_t j,
+                                                         int64_t jb, int64_t len, int64_t BS, int64_t row,
+                                                         int64_t off, int64_t width) {
+  for (int64_t jn = j == jb ? j + 1 : j + kAheadBlocks; jn <= j + kAheadBlocks && jn * BS < len; ++jn)
+    prefetch_block(kp, vp, bt[jn] * BS * row + off, std::min(BS, len - jn * BS), row, width);
+}
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -258,7 +290,7 @@ inline void scores_tile(const float* qh, const T* kb, int64_t stride, int64_t nk
 // register tiles of kVC x 8 dimensions for all G heads (the running sums live in L1 between blocks).
 // The step is bound by reading the cache (~20 GB/s for scattered blocks on a 2-core VM, where the arithmetic alone
 // runs at ~65 GB/s from L2): a task copies each block into a local buffer (one streaming read of block_size rows,
-// faster than strided loads interleaved with the arithmetic) and prefetches the blocks kAhead ahead.
+// faster than strided loads interleaved with the arithmetic) and prefetches the next blocks (prefetch_ahead).
 template <typename T, int64_t kD, int64_t kG>
 void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& bt_c, const torch::Tensor& sl_c, double scale, torch::Tensor& out) {
@@ -277,7 +309,6 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t row = KVH * kD;  // floats between consecutive tokens of one KV head
   const int64_t padded = (BS + 7) / 8 * 8;
-  constexpr int64_t kAhead = 2;
 
   DecodeSplit split(sl, N, KVH, kG, kD, BS, true);
   const int64_t hpt = split.hpt;
@@ -299,19 +330,7 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
       const int64_t len = sl[n];
       for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
-        for (int64_t ahead = 1; ahead <= kAhead; ++ahead) {  // blocks are scattered: fetch the next ones early
-          if (j == task.jb || ahead == kAhead) {
-            const int64_t jn = j + ahead;
-            if (jn * BS >= len) break;
-            const int64_t nxt = bt[n * MB + jn] * BS * row + h0 * kD;
-            const int64_t ncnt = std::min(BS, len - jn * BS);
-            for (int64_t t = 0; t < ncnt; ++t)
-              for (int64_t c = 0; c < hpt * kD; c += 16) {
-                _mm_prefetch(reinterpret_cast<const char*>(kp + nxt + t * row + c), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(vp + nxt + t * row + c), _MM_HINT_T0);
-              }
-          }
-        }
+        prefetch_ahead(kp, vp, bt + n * MB, j, task.jb, len, BS, row, h0 * kD, hpt * kD);
         const T* kblk = kp + bt[n * MB + j] * BS * row;
         const T* vblk = vp + bt[n * MB + j] * BS * row;
         if (hpt == KVH) {  // the block's rows for all heads are contiguous
@@ -468,8 +487,6 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t row = KVH * kD;  // elements between consecutive tokens of one KV head
   const int64_t padded = (BS + 15) / 16 * 16;
-  constexpr int64_t kAhead = 2;
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
 
   DecodeSplit split(sl, N, KVH, kG, kD, BS, true);
   const int64_t hpt = split.hpt;
@@ -490,19 +507,7 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
       const int64_t len = sl[n];
       for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
-        for (int64_t ahead = 1; ahead <= kAhead; ++ahead) {  // blocks are scattered: fetch the next ones early
-          if (j == task.jb || ahead == kAhead) {
-            const int64_t jn = j + ahead;
-            if (jn * BS >= len) break;
-            const int64_t nxt = bt[n * MB + jn] * BS * row + h0 * kD;
-            const int64_t ncnt = std::min(BS, len - jn * BS);
-            for (int64_t t = 0; t < ncnt; ++t)
-              for (int64_t c = 0; c < hpt * kD; c += kLine) {
-                _mm_prefetch(reinterpret_cast<const char*>(kp + nxt + t * row + c), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(vp + nxt + t * row + c), _MM_HINT_T0);
-              }
-          }
-        }
+        prefetch_ahead(kp, vp, bt + n * MB, j, task.jb, len, BS, row, h0 * kD, hpt * kD);
         const T* kblk = kp + bt[n * MB + j] * BS * row + h0 * kD;
         const T* vblk = vp + bt[n * MB + j] * BS * row + h0 * kD;
         // (no copy into a local buffer, unlike the AVX2 path: read in place it measured 5-40% faster here)

@@ -7,8 +7,8 @@ and order as :meth:`leanserve.model.llama.LlamaModel.forward`'s per-op path: its
 that path's, and only the Python and torch dispatch between the kernels is saved.
 
 It applies to float32 models on CPU whose projections are all lane-layout :class:`BlockQuantWeight`\\ s (GGUF
-Q4_0 / Q4_1 / Q8_0 under ``--quantization auto``), with a float32 paged KV cache and the native decode attention,
-on steps that hold decodes only (one decode group; prefill chunks take the per-op path).
+Q4_0 / Q4_1 / Q8_0 under ``--quantization auto``), with a float32 or float16 paged KV cache and the native decode
+attention, on steps that hold decodes only (one decode group; prefill chunks take the per-op path).
 ``LEANSERVE_FUSED_DECODE=0`` turns it off (the per-op path everywhere).
 """
 
@@ -69,13 +69,13 @@ class FusedDecode:
 
     def applies(self, t: int, kv_caches: list[tuple[KVCache, KVCache]], meta: AttentionMetadata) -> bool:
         """Whether a step of ``t`` tokens runs here: decodes only, in one group, with the native decode attention
-        and float32 tensor caches."""
+        and float32 or float16 tensor caches."""
         if meta.prefills or len(meta.decode_groups) != 1 or meta.decode_kernel is None or t == 0:
             return False
         if meta.decode_groups[0].count != t:
             return False
         k = kv_caches[0][0]
-        return isinstance(k, torch.Tensor) and k.dtype == torch.float32
+        return isinstance(k, torch.Tensor) and k.dtype in (torch.float32, torch.float16)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[tuple[KVCache, KVCache]], meta: AttentionMetadata) -> torch.Tensor:

@@ -49,3 +49,23 @@ def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             pass
     flat = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset)  # holds a reference to m
     return flat.view(dtype).view(shape)
+
+
+PAGE = 4096  # bytes: the smallest page size of the platforms served (x86-64, arm64 4 KiB granule)
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Makes a contiguous CPU tensor's memory resident and writable now, its contents unchanged: every page's first
+    byte is written back with its own value, so the kernel maps the page (a huge page where THP applies) at this
+    call instead of at the tensor's first write. Not for a tensor another thread writes meanwhile (a byte written
+    there between the read and the write-back would be lost). A tensor on another device: nothing is done.
+
+    Raises:
+        ValueError: a non-contiguous tensor."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    if not t.is_contiguous():
+        raise ValueError("prefault needs a contiguous tensor")
+    flat = t.view(-1).view(torch.uint8)
+    for touched in (flat[::PAGE], flat[-1:]):  # one byte in each page, the last page's included
+        touched.copy_(touched.clone())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from leanserve.config import ModelConfig
 from leanserve.quantization import check_kv_cache_dtype
-from leanserve.quantization.anon_memory import anonymous_zeros
+from leanserve.quantization.anon_memory import anonymous_zeros, prefault
 
 import torch
 
@@ -34,6 +34,18 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if torch.device(device).type == "cpu":
         return anonymous_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def prefault_pool(caches: list[tuple[torch.Tensor | Int8KVCache, torch.Tensor | Int8KVCache]]) -> int:
+    """Makes every layer's K and V pool resident (:func:`leanserve.quantization.anon_memory.prefault`: contents
+    unchanged; call before serving starts) and returns the bytes covered."""
+    total = 0
+    for pair in caches:
+        for c in pair:
+            for t in (c.data, c.scale) if isinstance(c, Int8KVCache) else (c,):
+                prefault(t)
+                total += t.numel() * t.element_size()
+    return total
 
 
 @dataclass

@@ -36,6 +36,16 @@ def isa_llm(request, monkeypatch, loaded_auto):
     return LLM(loaded=loaded_auto, quantization="auto", kv_cache_memory=32 << 20)
 
 
+@pytest.fixture(params=["auto", "float16"])
+def kv_dtype_llm(request, isa_llm, loaded_auto):
+    """isa_llm, or an engine of the same ISA path with a float16 KV cache (llama.cpp's default KV type)."""
+    if request.param == "auto":
+        return isa_llm
+    llm = LLM(loaded=loaded_auto, quantization="auto", kv_cache_memory=32 << 20, kv_cache_dtype=request.param)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float16
+    return llm
+
+
 def _decode_logits(llm: LLM, prompts: list[str], tokens: int) -> tuple[list[torch.Tensor], list[str], int]:
     """Every step's logits, the texts, and how many steps took the fused path."""
     model = llm.engine.runner.model
@@ -63,15 +73,16 @@ def _decode_logits(llm: LLM, prompts: list[str], tokens: int) -> tuple[list[torc
     return logits, [o.outputs[0].text for o in outs], fused_steps[0]
 
 
-def test_fused_decode_logits_equal_per_op_path(isa_llm) -> None:
-    model = isa_llm.engine.runner.model
+def test_fused_decode_logits_equal_per_op_path(kv_dtype_llm) -> None:
+    llm = kv_dtype_llm
+    model = llm.engine.runner.model
     assert model.fused_decode is not None, "Q4_1 lane weights on CPU should take the fused decode"
     prompts = ["Once upon a time", "The capital of France is", "def fib(n):"]
-    fused_logits, fused_texts, fused_steps = _decode_logits(isa_llm, prompts, 8)
+    fused_logits, fused_texts, fused_steps = _decode_logits(llm, prompts, 8)
     assert fused_steps >= 7  # the decode-only steps (3 streams, then fewer as they finish together)
     fd, model.fused_decode = model.fused_decode, None
     try:
-        ref_logits, ref_texts, _ = _decode_logits(isa_llm, prompts, 8)
+        ref_logits, ref_texts, _ = _decode_logits(llm, prompts, 8)
     finally:
         model.fused_decode = fd
     assert len(fused_logits) == len(ref_logits) == 8
@@ -79,7 +90,7 @@ def test_fused_decode_logits_equal_per_op_path(isa_llm) -> None:
         assert torch.equal(a, b)
     assert fused_texts == ref_texts
     # a single stream (M = 1) too, which the kernels tile differently
-    one, _, steps = _decode_logits(isa_llm, prompts[:1], 4)
+    one, _, steps = _decode_logits(llm, prompts[:1], 4)
     assert steps == 3 and all(torch.equal(a, b[:1]) for a, b in zip(one, fused_logits[:4], strict=True))
 
 

@@ -1,6 +1,7 @@
 """The KV pools' own anonymous mappings (leanserve/quantization/anon_memory.py, kv_cache.zeroed): zero, 2 MiB
 aligned, lazily mapped (no resident memory until written), huge pages where the kernel gives them, unmapped when
-the last tensor of the pool is freed; the int8 cache's pools alike."""
+the last tensor of the pool is freed; the int8 cache's pools alike; prefault (--kv-cache-prefault) makes a pool
+resident with its contents unchanged."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import sys
 from pathlib import Path
 
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
-from leanserve.quantization.anon_memory import HUGE_PAGE, anonymous_zeros
-from leanserve.quantization.kv_cache import Int8KVCache, zeroed
+from leanserve.quantization.anon_memory import HUGE_PAGE, anonymous_zeros, prefault
+from leanserve.quantization.kv_cache import Int8KVCache, prefault_pool, zeroed
 
 import pytest
 import torch
@@ -84,3 +85,31 @@ def test_int8_cache_pools_are_mappings_released_with_the_cache() -> None:
     del cache
     gc.collect()
     assert all(_mapping(a) is None for a in addresses)
+
+
+@linux
+def test_prefault_makes_a_pool_resident_and_keeps_its_contents() -> None:
+    pool = zeroed((1024, 16, 3, 64), torch.float16)  # 6 MiB
+    address = pool.data_ptr()
+    pool[100, 3] = 1.5
+    before = _mapping(address)["Rss"]
+    assert before <= 2 * 1024  # one page (a huge page at most) written so far
+    prefault(pool)
+    assert _mapping(address)["Rss"] >= 6 * 1024  # every page now resident
+    assert pool[100, 3].eq(1.5).all() and pool.float().sum().item() == 1.5 * 3 * 64  # contents as they were
+    odd = torch.arange(5000, dtype=torch.int16)[1:]  # not page aligned, not a whole number of pages
+    prefault(odd)
+    assert torch.equal(odd, torch.arange(1, 5000, dtype=torch.int16))
+    prefault(torch.empty(0))  # nothing to do
+    with pytest.raises(ValueError):
+        prefault(torch.zeros(64, 64).t())
+
+
+@linux
+def test_prefault_pool_covers_every_layer_of_each_cache_type() -> None:
+    fp = [(zeroed((256, 16, 3, 64), torch.float32), zeroed((256, 16, 3, 64), torch.float32)) for _ in range(2)]
+    q8 = [(Int8KVCache.zeros(256, 16, 3, 64), Int8KVCache.zeros(256, 16, 3, 64))]
+    assert prefault_pool(fp) == 4 * 256 * 16 * 3 * 64 * 4
+    assert all(_mapping(t.data_ptr())["Rss"] >= 3 * 1024 for pair in fp for t in pair)
+    assert prefault_pool(q8) == 2 * (256 * 16 * 3 * 64 + 256 * 16 * 3 * 4)
+    assert all(_mapping(c.scale.data_ptr())["Rss"] >= 48 for c in q8[0])

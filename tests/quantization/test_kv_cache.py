@@ -5,7 +5,7 @@ from __future__ import annotations
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.config import EngineConfig
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.errors import UnsupportedQuantizationError
+from leanserve.errors import InvalidParameterError, UnsupportedQuantizationError
 from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
 from leanserve.quantization.kv_cache import Int8KVCache, kv_bytes_per_token, quantize_per_token_head
@@ -115,3 +115,20 @@ def _greedy(engine: LLMEngine, max_tokens: int) -> list[int]:
     while engine.has_unfinished_requests():
         out += [o.outputs[0].token_ids for o in engine.step() if o.finished]
     return out[0]
+
+
+def test_kv_cache_prefault_leaves_the_output_unchanged(loaded) -> None:
+    """--kv-cache-prefault: the pool resident at start (all of it, not only what requests wrote), the same greedy
+    tokens as a lazily faulted pool; a non-boolean value is refused."""
+    from tests.quantization.test_anon_memory import _mapping
+
+    mem = 16 << 20
+    lazy = LLMEngine(EngineConfig(kv_cache_memory=mem, kv_cache_dtype="float16"), loaded=loaded)
+    eager = LLMEngine(EngineConfig(kv_cache_memory=mem, kv_cache_dtype="float16", kv_cache_prefault=True),
+                      loaded=loaded)
+    k = eager.runner.kv_caches[-1][1]
+    assert _mapping(k.data_ptr())["Rss"] * 1024 >= k.numel() * k.element_size()
+    assert _mapping(lazy.runner.kv_caches[-1][1].data_ptr())["Rss"] == 0
+    assert _greedy(lazy, 8) == _greedy(eager, 8)
+    with pytest.raises(InvalidParameterError, match="kv_cache_prefault"):
+        EngineConfig(kv_cache_prefault="yes")
