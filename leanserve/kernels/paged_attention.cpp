@@ -93,6 +93,25 @@ struct DecodeSplit {
 
   int64_t size() const { return static_cast<int64_t>(tasks.size()); }
 
+  // A block pos blocks after the first block of task idx, in the order a thread reads its tasks [idx, end): the
+  // task's own blocks, then the next tasks'. base: the element offset of its first token's row for the task's first
+  // KV head (row elements per token, D per head); cnt: its tokens, 0 where the thread reads no such block.
+  struct BlockRef {
+    int64_t base = 0, cnt = 0;
+  };
+  BlockRef block_at(int64_t idx, int64_t end, int64_t pos, const int64_t* bt, int64_t MB, const int64_t* sl,
+                    int64_t BS, int64_t row) const {
+    for (; idx < end; ++idx) {
+      const Task& t = tasks[idx];
+      if (pos < t.je - t.jb) {
+        const int64_t j = t.jb + pos;
+        return {bt[t.n * MB + j] * BS * row + t.h0 * dim, std::min(BS, sl[t.n] - j * BS)};
+      }
+      pos -= t.je - t.jb;
+    }
+    return {};
+  }
+
   // Task i's result: acc [width, dim], m, l [width]; out: the task's first query head's row in the output.
   void finish(int64_t i, const float* acc, const float* m, const float* l, float* out) {
     const int64_t slot = tasks[i].slot;
@@ -211,36 +230,41 @@ namespace {
 
 using leanserve::exp_nonpos;  // simd_exp.h
 
-// Blocks read ahead of the one in use, and the hint: blocks are scattered, so each task prefetches the K and V rows
-// of its next kAheadBlocks blocks, into L2 (T1). With all KV heads per task a block is 2 x 16 x 3 x 64 float16 = 12
-// KiB for the default model, so two blocks ahead plus the current one are 36 KiB, more than a 32 KiB L1: T0 evicted
-// lines before they were read (T1 measured faster at batches 1-64, float16 and float32, in both kernels: see
-// benchmarks/README.md, python -m benchmarks.attention --kernel-batches).
+// Blocks read ahead of the one in use, and the hint. Blocks are scattered, so a thread prefetches the K and V rows
+// of the block kAheadBlocks after the one it computes on (in its own order of blocks: its task's, then its next
+// tasks', DecodeSplit::block_at), into L2 (T1; T0 evicted lines before they were read: two blocks ahead plus the
+// current one, all 3 KV heads, float16, are 36 KiB, more than a 32 KiB L1). The prefetches are spread over the
+// block's arithmetic, one token row of one KV head with each value row accumulated (prefetch_row, in the P.V loop),
+// instead of one burst per block: a burst of a 12 KiB block's 192 lines filled the core's miss queue, and the loads
+// of the block in use waited behind it (benchmarks/README.md, python -m benchmarks.attention --kernel-batches).
 constexpr int64_t kAheadBlocks = 2;
 
-// Prefetches (into L2) the K and V rows of cnt tokens at element offset base of the caches kp, vp: width elements
-// per token, row elements apart.
+// Prefetches (into L2) width elements of K and V from element offset at of the caches kp, vp.
 template <typename T>
-__attribute__((always_inline)) inline void prefetch_block(const T* kp, const T* vp, int64_t base, int64_t cnt,
-                                                         int64_t row, int64_t width) {
+__attribute__((always_inline)) inline void prefetch_row(const T* kp, const T* vp, int64_t at, int64_t width) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t t = 0; t < cnt; ++t)
-    for (int64_t c = 0; c < width; c += kLine) {
-      _mm_prefetch(reinterpret_cast<const char*>(kp + base + t * row + c), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vp + base + t * row + c), _MM_HINT_T1);
-    }
+  for (int64_t c = 0; c < width; c += kLine) {
+    _mm_prefetch(reinterpret_cast<const char*>(kp + at + c), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(vp + at + c), _MM_HINT_T1);
+  }
 }
 
-// Prefetches block j + kAheadBlocks of a task whose first block is jb (and at j == jb, block j + 1 too): width
-// elements from element offset off of each token's row; bt: the sequence's block table, len: its tokens, BS: tokens
-// per block. Both helpers are always_inline: GCC 12 at -O2/-O3 found an out-of-line copy free of side effects (a
+// The block a thread prefetches while it computes on block j of task idx (j - jb blocks into the task), after, at
+// the first block of its first task (idx == begin), prefetching the blocks between in full (every later block was
+// prefetched, spread, while the ones kAheadBlocks before it were read). width: elements per token of the task's KV
+// heads. Both helpers are always_inline: GCC 12 at -O2/-O3 found an out-of-line copy free of side effects (a
 // prefetch is none, and C++ loops are finite) and dropped its calls.
 template <typename T>
-__attribute__((always_inline)) inline void prefetch_ahead(const T* kp, const T* vp, const int64_t* bt, int64_t j,
-                                                         int64_t jb, int64_t len, int64_t BS, int64_t row,
-                                                         int64_t off, int64_t width) {
-  for (int64_t jn = j == jb ? j + 1 : j + kAheadBlocks; jn <= j + kAheadBlocks && jn * BS < len; ++jn)
-    prefetch_block(kp, vp, bt[jn] * BS * row + off, std::min(BS, len - jn * BS), row, width);
+__attribute__((always_inline)) inline DecodeSplit::BlockRef block_ahead(
+    const DecodeSplit& split, const T* kp, const T* vp, int64_t idx, int64_t begin, int64_t end, int64_t j,
+    const int64_t* bt, int64_t MB, const int64_t* sl, int64_t BS, int64_t row, int64_t width) {
+  const int64_t pos = j - split.tasks[idx].jb;
+  if (idx == begin && pos == 0)
+    for (int64_t p = 1; p < kAheadBlocks; ++p) {
+      const DecodeSplit::BlockRef b = split.block_at(idx, end, p, bt, MB, sl, BS, row);
+      for (int64_t t = 0; t < b.cnt; ++t) prefetch_row(kp, vp, b.base + t * row, width);
+    }
+  return split.block_at(idx, end, pos + kAheadBlocks, bt, MB, sl, BS, row);
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -290,7 +314,7 @@ inline void scores_tile(const float* qh, const T* kb, int64_t stride, int64_t nk
 // register tiles of kVC x 8 dimensions for all G heads (the running sums live in L1 between blocks).
 // The step is bound by reading the cache (~20 GB/s for scattered blocks on a 2-core VM, where the arithmetic alone
 // runs at ~65 GB/s from L2): a task copies each block into a local buffer (one streaming read of block_size rows,
-// faster than strided loads interleaved with the arithmetic) and prefetches the next blocks (prefetch_ahead).
+// faster than strided loads interleaved with the arithmetic) and prefetches the block ahead (block_ahead, prefetch_row).
 template <typename T, int64_t kD, int64_t kG>
 void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& bt_c, const torch::Tensor& sl_c, double scale, torch::Tensor& out) {
@@ -330,7 +354,8 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
       const int64_t len = sl[n];
       for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
-        prefetch_ahead(kp, vp, bt + n * MB, j, task.jb, len, BS, row, h0 * kD, hpt * kD);
+        const DecodeSplit::BlockRef next =
+            block_ahead(split, kp, vp, idx, begin, end, j, bt, MB, sl, BS, row, hpt * kD);
         const T* kblk = kp + bt[n * MB + j] * BS * row;
         const T* vblk = vp + bt[n * MB + j] * BS * row;
         if (hpt == KVH) {  // the block's rows for all heads are contiguous
@@ -376,7 +401,9 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k_cache, co
             __m256 a[kG][kVC];
             for (int64_t g = 0; g < kG; ++g)
               for (int64_t c = 0; c < kVC; ++c) a[g][c] = _mm256_loadu_ps(ah + g * kD + d0 + 8 * c);
+            const int64_t ahead = d0 == 0 ? next.cnt : 0;  // rows of the block ahead to prefetch, head hh's
             for (int64_t t = 0; t < cnt; ++t) {
+              if (t < ahead) prefetch_row(kp, vp, next.base + t * row + hh * kD, kD);
               const T* vr = vb + t * row + d0;
               __m256 vv[kVC];
               for (int64_t c = 0; c < kVC; ++c) vv[c] = load8(vr + 8 * c);
@@ -507,7 +534,8 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
       const int64_t len = sl[n];
       for (int64_t j = task.jb; j < task.je; ++j) {
         const int64_t cnt = std::min(BS, len - j * BS);
-        prefetch_ahead(kp, vp, bt + n * MB, j, task.jb, len, BS, row, h0 * kD, hpt * kD);
+        const DecodeSplit::BlockRef next =
+            block_ahead(split, kp, vp, idx, begin, end, j, bt, MB, sl, BS, row, hpt * kD);
         const T* kblk = kp + bt[n * MB + j] * BS * row + h0 * kD;
         const T* vblk = vp + bt[n * MB + j] * BS * row + h0 * kD;
         // (no copy into a local buffer, unlike the AVX2 path: read in place it measured 5-40% faster here)
@@ -551,7 +579,9 @@ void decode_kernel_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, 
               const __m512 cv = _mm512_set1_ps(corr[g]);
               for (int64_t c = 0; c < kVC; ++c) a[g][c] = _mm512_mul_ps(cv, _mm512_loadu_ps(ah + g * kD + d0 + 16 * c));
             }
+            const int64_t ahead = d0 == 0 ? next.cnt : 0;  // rows of the block ahead to prefetch, head hh's
             for (int64_t t = 0; t < cnt; ++t) {
+              if (t < ahead) prefetch_row(kp, vp, next.base + t * row + hh * kD, kD);
               const T* vr = vb + t * row + d0;
               __m512 vv[kVC];
               for (int64_t c = 0; c < kVC; ++c) vv[c] = load16(vr + 16 * c);
