@@ -17,7 +17,21 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
+_LONG_TEXT = 32768  # characters: longer texts are encoded with the GIL released
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _never_shrinks(normalizer: dict[str, Any] | None) -> bool:
+    """Whether a ``tokenizers`` normalizer (its JSON state) never shortens a text: none, a prepended string, a
+    space spelled as ``▁`` (SentencePiece), or a sequence of those."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_never_shrinks(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":
+        return normalizer.get("pattern") == {"String": " "} and normalizer.get("content") == "▁"
+    return kind == "Prepend"
 
 
 class Tokenizer:
@@ -68,6 +82,9 @@ class Tokenizer:
         self._special_tokens = dict(special_tokens or {})
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         self._bytes: list[bytes] | None = None
+        self._max_token_bytes: int | None = None
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+        self._bound_holds = kind in ("byte_level", "sentencepiece") and _never_shrinks(normalizer)
         # Compiled now, so that a broken template fails the load (ModelLoadError), not a request.
         self._template = _compile(chat_template) if chat_template is not None else None
 
@@ -166,10 +183,28 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise InvalidParameterError("prompt", f"the text is not valid Unicode: {e.reason} at {e.start}") from None
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) < _LONG_TEXT:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:  # encode_batch releases the GIL: a long prompt does not stall the server's event loop
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def min_num_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        """A lower bound on ``len(self.encode(text, add_special_tokens))``, in O(len(text)) without tokenizing:
+        the text's UTF-8 bytes over the longest token's bytes (:meth:`token_bytes`), plus BOS. Exact as a bound
+        for byte-level and SentencePiece vocabularies without a shrinking normalizer (each byte of the text is
+        spelled by some token); 0 for other tokenizers, which may drop text before tokenizing."""
+        if not self._bound_holds:
+            return 0
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(1, max(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+        try:
+            n = -(-len(text.encode("utf-8")) // self._max_token_bytes)
+        except UnicodeEncodeError:
+            return 0  # encode() reports it
+        return n + int(add_special_tokens and self.add_bos and self.bos_token_id is not None)
 
     def get_vocab(self) -> dict[str, int]:
         """Token string -> id, added tokens included (as ``tokenizers.Tokenizer.get_vocab``)."""

@@ -130,3 +130,50 @@ def test_from_dir_of_saved_transformers_tokenizer(ours, ref, tmp_path):
     ids = ours.encode("你好 <|im_end|>")
     assert [loaded.token_bytes(i) for i in ids] == [ours.token_bytes(i) for i in ids]
     assert loaded.decode(ids) == ours.decode(ids) and loaded.is_special(2) and not loaded.is_special(4093)
+
+
+def test_min_num_tokens_is_a_lower_bound(ours, ref, tmp_path):
+    longest = max(len(ours.token_bytes(i)) for i in range(ours.vocab_size))
+    texts = [*TEXTS, "\n" + " " * 80, ("\n" + " " * 80) * 50, "word " * 5000, "你好" * 300]
+    for text in texts:
+        n = len(ours.encode(text))
+        assert ours.min_num_tokens(text) <= n, text[:40]
+        assert ours.min_num_tokens(text) == -(-len(text.encode()) // longest)  # no BOS on this model
+    # the longest token repeated is spelled by exactly that many tokens: the bound is tight there
+    tight = ("\n" + " " * 80) * 50
+    assert len(ours.encode(tight)) == ours.min_num_tokens(tight) == 50
+    # a normalizer that may shorten the text (NFKC here) gives no bound rather than a wrong one
+    from tokenizers import normalizers
+
+    ref.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_dir(tmp_path)
+    assert loaded.min_num_tokens("word " * 100) == ours.min_num_tokens("word " * 100) > 0
+    loaded._backend.normalizer = normalizers.NFKC()
+    nfkc = Tokenizer(loaded._backend, kind="byte_level", vocab_size=loaded.vocab_size, bos_token_id=None,
+                     eos_token_id=2, stop_token_ids=frozenset({2}), add_bos=False, chat_template=None,
+                     special_ids=frozenset())
+    assert nfkc.min_num_tokens("word " * 100) == 0
+
+
+def test_long_text_encodes_the_same_with_the_gil_released(ours, ref):
+    import threading
+    import time
+
+    text = "The quick brown fox, 你好 👍🏽. " * 2000  # over the 32,768 characters that switch to encode_batch
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    big = "word " * 200_000
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks.append(1)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    ids = ours.encode(big)
+    done.set()
+    ticker.join()
+    assert len(ids) == 200_001 and ids[1:3] == ids[2:4]  # the first "word" has no leading space: its own token
+    # with the GIL held for the whole encode the ticker gets at most a couple of turns
+    assert len(ticks) >= 20

@@ -91,6 +91,8 @@ class RequestAdmission:
             InvalidParameterError: a bad prompt (see :meth:`tokenize`). ContextLengthExceededError: longer than
                 ``max_model_len``.
         """
+        if isinstance(prompt, str):
+            self._check_text_length(prompt, room=False)
         ids = self.tokenize(prompt)
         if len(ids) > self.max_model_len:
             raise ContextLengthExceededError(
@@ -114,6 +116,8 @@ class RequestAdmission:
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParameterError("stop_token_ids",
                                         f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
+            self._check_text_length(prompt)
         ids = self.tokenize(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         max_tokens = self._resolve_max_tokens(len(ids), params)
@@ -121,6 +125,21 @@ class RequestAdmission:
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, grammar)
+
+    def _check_text_length(self, text: str, room: bool = True) -> None:
+        """Reject a text that cannot fit the context before tokenizing it (megabytes take seconds): its
+        token count is at least :meth:`Tokenizer.min_num_tokens`.
+
+        Raises:
+            ContextLengthExceededError: ``param="prompt"``: the bound exceeds ``max_model_len``, or (``room``)
+                leaves no room for a completion.
+        """
+        bound = self.tokenizer.min_num_tokens(text)
+        if bound > self.max_model_len - int(room):
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"at least {bound} tokens ({len(text)} characters)"
+                + (", which leaves no room for a completion." if room else "."), param="prompt")
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         limit = self.max_model_len

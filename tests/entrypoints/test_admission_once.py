@@ -115,3 +115,50 @@ def test_raw_surrogate_bytes_are_a_400(client):
     r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200  # the connection still serves
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenizing(llm_like_server, client, monkeypatch):
+    huge = "word " * 400_000  # 2 MB of text: tokenizing it would take seconds
+    tokenizer = llm_like_server.engine.tokenizer
+    calls = []
+    original = type(tokenizer).encode
+    monkeypatch.setattr(type(tokenizer), "encode", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    with pytest.raises(ContextLengthExceededError, match="at least") as exc:
+        llm_like_server.generate(huge, SamplingParams(max_tokens=1))
+    assert calls == [] and exc.value.param == "prompt"
+    assert f"at least {tokenizer.min_num_tokens(huge)} tokens" in str(exc.value)
+    for path, body in [("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": ["hi", huge]}),
+                       ("/v1/completions", {"prompt": huge, "echo": True, "max_tokens": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})]:
+        err = http_error(client, path, body)
+        assert (err["param"], err["code"]) == ("prompt" if "prompt" in body else "messages",
+                                               "context_length_exceeded"), (path, err)
+    assert llm_like_server.engine.scheduler.requests == {}
+
+
+def test_a_long_prompt_being_tokenized_does_not_stall_the_server(server):
+    """A prompt that must be tokenized whole (``truncate_prompt_tokens`` keeps its end) is tokenized off the
+    event loop with the GIL released: /health answers meanwhile, in a small part of the request's time."""
+    import threading
+    import time
+
+    big = {"prompt": "word " * 1_000_000, "max_tokens": 1, "truncate_prompt_tokens": 8}
+    result = {}
+
+    def send():
+        t0 = time.monotonic()
+        with server.client(timeout=120) as c:
+            result["status"] = c.post("/v1/completions", json=big).status_code
+        result["elapsed"] = time.monotonic() - t0
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.5)  # the 5 MB body is uploaded and being tokenized
+    with server.client(timeout=120) as c:
+        t0 = time.monotonic()
+        health = c.get("/health").status_code
+        health_s = time.monotonic() - t0
+    sender.join()
+    assert result["status"] == 200 and health == 200
+    assert result["elapsed"] > 1.0 and health_s < result["elapsed"] / 4, (health_s, result)

@@ -10,6 +10,7 @@ each choice's first chunk.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -93,10 +94,12 @@ class OpenAIServingCompletion:
         params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, names, constraint)
         params = with_prompt_logprobs(params, num_prompt_lp,
                                       "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
-        admitted = admit_all(self.engine, prompts, params, names)
+        # tokenizing runs off the event loop (a long prompt takes a while, with the GIL released)
+        admitted = await asyncio.to_thread(admit_all, self.engine, prompts, params, names)
         ctx = RequestContext(route=getattr(raw_request.state, "route", None))  # a router's decision, if any
         if params.truncate_prompt_tokens is not None:
-            sent = [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+            sent = await asyncio.to_thread(
+                lambda: [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts])
             ctx.admitted(sum(sent), sum(len(a.prompt_token_ids) for a in admitted), params.truncate_prompt_tokens)
         request_id = new_id("cmpl")
         streams, ctx.cache = await answer_cache.submit(
