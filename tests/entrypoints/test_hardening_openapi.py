@@ -105,8 +105,8 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_its_schema(serve
     assert not report.failures, "\n\n".join(report.failures[:3])
     assert not report.out_of_time
     ops = {label.rsplit(" ", 1)[0] for label, n in report.examples.items() if n}
-    assert ops == {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/chat/completions",
-                   "POST /v1/completions", "POST /tokenize", "POST /detokenize"}
+    assert ops == {"GET /health", "HEAD /health", "GET /metrics", "HEAD /metrics", "GET /v1/models",
+                   "POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "POST /detokenize"}
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
         assert report.examples[f"POST {path} positive"] == 15 and report.examples[f"POST {path} negative"] == 15
     assert report.statuses[200] >= 20 and report.statuses[400] >= 20  # valid ones served, invalid ones refused

@@ -235,7 +235,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
         logger.exception("unhandled error on %s", request.url.path)
         return _error_response(to_openai_error(exc))
 
-    @app.get("/health", response_class=Response, responses={
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response, responses={
         200: {"description": "the engine loop is alive and the server accepts requests (empty body)",
               "content": {}},
         503: {"model": ErrorResponse, "description": "the engine is dead, stalled, or the server is draining"}})
@@ -255,7 +255,7 @@ def build_app(engine: AsyncEngine | Mapping[str, AsyncEngine], served_model_name
                     "server_error", None, "engine_stalled"))
         return Response(status_code=200)
 
-    @app.get("/metrics", response_class=Response, responses={
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, responses={
         200: {"description": "Prometheus text exposition format",
               "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def get_metrics() -> Response:
