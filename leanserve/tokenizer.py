@@ -34,6 +34,35 @@ def _never_shrinks(normalizer: dict[str, Any] | None) -> bool:
     return kind == "Prepend"
 
 
+def _keeps_all_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer (its JSON state) passes every byte of the text on: byte-level, Metaspace, a
+    split that keeps its delimiters, digits or punctuation, or a sequence of those (``WhitespaceSplit`` and
+    ``Split(behavior="Removed")`` drop text)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_all_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts")
+
+
+def _spells_every_byte(backend: Backend) -> bool:
+    """Whether each byte of a text ends up in some token's spelling: the normalizer never shortens the text,
+    the pre-tokenizer drops nothing, no added token strips the spaces around it (``lstrip``/``rstrip``), and
+    the model has byte fallback or no unknown token (a fused ``<unk>`` stands for any number of bytes)."""
+    def state(part: Any) -> dict[str, Any] | None:
+        return json.loads(part.__getstate__()) if part is not None else None
+
+    if not (_never_shrinks(state(backend.normalizer)) and _keeps_all_text(state(backend.pre_tokenizer))):
+        return False
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return False
+    model = json.loads(backend.model.__getstate__())
+    return bool(model.get("byte_fallback")) or model.get("unk_token") is None
+
+
 class Tokenizer:
     """Text <-> token ids for one model.
 
@@ -83,8 +112,7 @@ class Tokenizer:
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         self._bytes: list[bytes] | None = None
         self._max_token_bytes: int | None = None
-        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
-        self._bound_holds = kind in ("byte_level", "sentencepiece") and _never_shrinks(normalizer)
+        self._bound_holds = kind in ("byte_level", "sentencepiece") and _spells_every_byte(backend)
         # Compiled now, so that a broken template fails the load (ModelLoadError), not a request.
         self._template = _compile(chat_template) if chat_template is not None else None
 
@@ -194,8 +222,9 @@ class Tokenizer:
     def min_num_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         """A lower bound on ``len(self.encode(text, add_special_tokens))``, in O(len(text)) without tokenizing:
         the text's UTF-8 bytes over the longest token's bytes (:meth:`token_bytes`), plus BOS. Exact as a bound
-        for byte-level and SentencePiece vocabularies without a shrinking normalizer (each byte of the text is
-        spelled by some token); 0 for other tokenizers, which may drop text before tokenizing."""
+        for byte-level and SentencePiece vocabularies where each byte of the text is spelled by some token
+        (no shrinking normalizer, no pre-tokenizer that drops text, no space-stripping added token, no fused
+        ``<unk>``); 0 for other tokenizers."""
         if not self._bound_holds:
             return 0
         if self._max_token_bytes is None:

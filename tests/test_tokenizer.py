@@ -155,6 +155,47 @@ def test_min_num_tokens_is_a_lower_bound(ours, ref, tmp_path):
     assert nfkc.min_num_tokens("word " * 100) == 0
 
 
+def _bpe_tokenizer(**parts):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>|")}}
+    backend = HFTokenizer(BPE(vocab, [], unk_token=parts.pop("unk", None), byte_fallback=parts.pop("fb", False)))
+    for name, value in parts.items():
+        setattr(backend, name, value)
+    return backend
+
+
+@pytest.mark.parametrize("case", ["plain", "whitespace_split", "split_removed", "lstrip_token", "fused_unk",
+                                  "unk_with_byte_fallback"])
+def test_min_num_tokens_gives_no_bound_where_text_can_vanish(case):
+    """Each case but the first two drops bytes of the text before or while tokenizing (spaces removed by the
+    pre-tokenizer, spaces eaten by an lstrip added token, a run of unknown characters fused into one
+    ``<unk>``): a bound from the text's length would overshoot, so there is none (0)."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+
+    backend = {
+        "plain": lambda: _bpe_tokenizer(),
+        "whitespace_split": lambda: _bpe_tokenizer(pre_tokenizer=pre_tokenizers.WhitespaceSplit()),
+        "split_removed": lambda: _bpe_tokenizer(pre_tokenizer=pre_tokenizers.Split(Regex(" +"), "removed")),
+        "lstrip_token": lambda: _bpe_tokenizer(),
+        "fused_unk": lambda: _bpe_tokenizer(unk="<unk>"),
+        "unk_with_byte_fallback": lambda: _bpe_tokenizer(unk="<unk>", fb=True),
+    }[case]()
+    if case == "lstrip_token":
+        backend.add_special_tokens([AddedToken("<|end|>", lstrip=True, rstrip=True)])
+    tok = Tokenizer(backend, kind="sentencepiece", vocab_size=backend.get_vocab_size(), bos_token_id=None,
+                    eos_token_id=0, stop_token_ids=frozenset({0}), add_bos=False, chat_template=None,
+                    special_ids=frozenset())
+    text = "ab" + " " * 40 + "<|end|>" + " " * 40 + "cd"
+    bound = tok.min_num_tokens(text)
+    assert bound <= len(tok.encode(text))
+    if case in ("plain", "unk_with_byte_fallback"):
+        assert bound > 0
+    else:
+        assert bound == 0
+
+
 def test_long_text_encodes_the_same_with_the_gil_released(ours, ref):
     import threading
     import time

@@ -15,6 +15,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1] + [ord(c) for c in text] if text else []
 
+    def min_num_tokens(self, text: str) -> int:
+        """A loose lower bound, as a real tokenizer's (longest token 4 characters)."""
+        return len(text) // 4
+
 
 def admission(max_model_len: int = 64, num_blocks: int = 100, block_size: int = 4) -> RequestAdmission:
     return RequestAdmission(CharTokenizer(), vocab_size=256, max_model_len=max_model_len, block_size=block_size,
@@ -40,6 +44,14 @@ def test_bad_prompts(prompt):
     with pytest.raises(InvalidParameterError) as e:
         admission().admit(prompt, SamplingParams())
     assert e.value.param == "prompt"
+
+
+def test_a_text_far_over_the_context_is_refused_without_tokenizing(monkeypatch):
+    a = admission(max_model_len=64)
+    monkeypatch.setattr(a.tokenizer, "encode", lambda text: pytest.fail("tokenized a text the bound rules out"))
+    with pytest.raises(ContextLengthExceededError) as e:
+        a.admit("x" * 400, SamplingParams(max_tokens=1))
+    assert e.value.param == "prompt" and "at least 100 tokens (400 characters)" in str(e.value)
 
 
 def test_context_errors_name_the_field():
