@@ -55,9 +55,15 @@ def _line(m: dict[str, Any]) -> str:
     text = f"{m.get('role', 'user')}: {content or ''}"
     calls = m.get("tool_calls") or []
     if calls:
-        text += " [tool calls: " + "; ".join(f"{c['function']['name']}({c['function'].get('arguments', '')})"
+        text += " [tool calls: " + "; ".join(f"{c['function']['name']}({_arguments_text(c['function'])})"
                                              for c in calls) + "]"
     return text
+
+
+def _arguments_text(fn: dict[str, Any]) -> str:
+    """A call's arguments as JSON text (OpenAI's form as given; an object, Hugging Face's form, serialized)."""
+    args = fn.get("arguments", "")
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 def summary_request_messages(messages: Sequence[dict[str, Any]], start: int = 0) -> list[dict[str, Any]]:

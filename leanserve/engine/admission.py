@@ -31,6 +31,7 @@ class AdmittedRequest:
         max_tokens: the resolved limit on output tokens: ``params.max_tokens``, or what is left of the context
             and the KV pool when that is None; prompt + max_tokens fits both.
         grammar: the compiled grammar of ``params.structured_outputs`` (an ``xgrammar.CompiledGrammar``), or None.
+        num_sent_tokens: the prompt's length in tokens as sent, before ``truncate_prompt_tokens`` cut it.
     """
 
     prompt: str | None
@@ -38,6 +39,7 @@ class AdmittedRequest:
     params: SamplingParams
     max_tokens: int
     grammar: Any = None
+    num_sent_tokens: int = 0
 
 
 class RequestAdmission:
@@ -118,13 +120,14 @@ class RequestAdmission:
                                         f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
             self._check_text_length(prompt)
-        ids = self.tokenize(prompt)
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
+        sent = self.tokenize(prompt)
+        ids = truncate_prompt(sent, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
-        return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, grammar)
+        return AdmittedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, grammar,
+                               len(sent))
 
     def _check_text_length(self, text: str, room: bool = True) -> None:
         """Reject a text that cannot fit the context before tokenizing it (megabytes take seconds): its

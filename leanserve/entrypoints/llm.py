@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,14 +10,12 @@ from leanserve.config import EngineConfig
 from leanserve.context.chat import PreparedChat, prepare_chat
 from leanserve.context.summary import SummaryCache, summary_key, summary_prompt
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.entrypoints.openai.protocol import ChatMessage
 from leanserve.errors import InvalidParameterError, LeanserveError
 from leanserve.loader import LoadedModel
 from leanserve.outputs import RequestOutput
 from leanserve.sampling_params import SamplingParams
 from leanserve.structured.tool_template import ToolTemplate, has_tool_turns
 
-from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
@@ -185,15 +182,17 @@ class LLM:
 
 
 def _checked_conversations(messages: Any) -> list[list[Message]]:
-    """One conversation or a list of them, each message validated as the server validates it
-    (:class:`~leanserve.entrypoints.openai.protocol.ChatMessage`) and returned as the template sees it.
+    """One conversation or a list of them (lists or tuples), each message checked and returned as the chat
+    template sees it: content as one string (text parts joined; an assistant's None as ``""``), ``developer`` as
+    ``system``, every other key (``name``, ``tool_calls``, ``tool_call_id``, ...) kept as given. As vLLM's
+    ``LLM.chat``, any role name is taken (``ipython``, ...) and a tool message needs no ``tool_call_id``; a
+    tool call's ``arguments`` may be its JSON text (OpenAI's form) or an object (Hugging Face's).
 
     Raises:
         InvalidParameterError: ``param="messages"``: not a list of messages (or of lists of them), an empty
-            conversation, or a bad message (unknown role, missing content, a tool message without
-            ``tool_call_id``, ...); the message names its place, as ``messages.0.content``.
-
-    A tool call's ``arguments`` may be an object (Hugging Face's form) as well as its JSON text (OpenAI's).
+            conversation, a message that is not a dict, a role that is not a string, content missing (outside
+            an assistant message) or not a string or a list of text parts, or a tool call without a function
+            name; the message names its place, as ``messages.0.content``.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidParameterError("messages", "messages must be a non-empty list of {'role', 'content'} dicts "
@@ -205,27 +204,45 @@ def _checked_conversations(messages: Any) -> list[list[Message]]:
         where = "messages" if single else f"messages.{i}"
         if isinstance(conv, (str, bytes, dict)) or not isinstance(conv, Sequence) or not conv:
             raise InvalidParameterError("messages", f"{where} must be a non-empty list of messages")
-        checked = []
-        for j, m in enumerate(conv):
-            try:
-                checked.append(ChatMessage.model_validate(_arguments_as_text(m)).to_template_dict())
-            except ValidationError as exc:
-                err = exc.errors(include_url=False)[0]
-                loc = ".".join(str(x) for x in (where, j, *err.get("loc", ())))
-                raise InvalidParameterError("messages", f"{loc}: {err.get('msg')}") from None
-        out.append(checked)
+        out.append([_checked_message(m, f"{where}.{j}") for j, m in enumerate(conv)])
     return out
 
 
-def _arguments_as_text(message: Any) -> Any:
-    """``message`` with each tool call's ``arguments`` object spelled as JSON text (OpenAI's form)."""
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
-    if not isinstance(calls, list) or not any(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              and isinstance(c["function"].get("arguments"), dict) for c in calls):
-        return message
-    def spelled(c: Any) -> Any:
-        f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("arguments"), dict):
-            return c
-        return {**c, "function": {**f, "arguments": json.dumps(f["arguments"], ensure_ascii=False)}}
-    return {**message, "tool_calls": [spelled(c) for c in calls]}
+def _checked_message(m: Any, where: str) -> Message:
+    """One message of :func:`_checked_conversations`, as the template sees it (a new dict)."""
+    def bad(field: str, why: str) -> InvalidParameterError:
+        return InvalidParameterError("messages", f"{where}{field}: {why}")
+
+    if not isinstance(m, dict):
+        raise bad("", f"a message is a dict with 'role' and 'content', got {type(m).__name__}")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise bad(".role", f"a message needs a role (a non-empty string), got {role!r}")
+    if isinstance(content, (list, tuple)):
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f".content.{k}", f"only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                          f"got {kind!r}")
+        content = "".join(p["text"] for p in content)
+    elif content is None:
+        if role != "assistant":
+            raise bad(".content", f"a {role} message needs content (a string or text parts)")
+        content = ""
+    elif not isinstance(content, str):
+        raise bad(".content", f"content is a string or a list of text parts, got {type(content).__name__}")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, (list, tuple)):
+            raise bad(".tool_calls", f"tool_calls is a list, got {type(calls).__name__}")
+        for k, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f".tool_calls.{k}", "a tool call is {'function': {'name': ..., 'arguments': ...}}")
+            if not isinstance(fn.get("arguments", {}), (str, dict)):
+                raise bad(f".tool_calls.{k}.function.arguments", "arguments are JSON text or an object")
+        calls = list(calls)
+    checked = {**m, "role": "system" if role == "developer" else role, "content": content}
+    if calls is not None:
+        checked["tool_calls"] = calls
+    return checked

@@ -167,10 +167,13 @@ def test_a_long_prompt_being_tokenized_does_not_stall_the_server(server):
 @pytest.mark.parametrize("messages, where", [
     ("hello", "got str"),
     ([], "(empty)"),
-    ([{"role": "bot", "content": "x"}], "messages.0.role"),
+    ([{"content": "x"}], "messages.0.role"),
     ([{"role": "user"}], "a user message needs content"),
-    ([{"role": "tool", "content": "42"}], "needs tool_call_id"),
     ([{"role": "user", "content": 5}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content.0"),
+    ([MSGS[0], {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}],
+     "messages.1.tool_calls.0"),
+    ([MSGS[0], "hi"], "messages.1: a message is a dict"),
     ([MSGS, []], "messages.1 must be a non-empty list"),
 ])
 def test_llm_chat_checks_messages_as_the_server_does(llm_like_server, client, messages, where):
@@ -180,6 +183,22 @@ def test_llm_chat_checks_messages_as_the_server_does(llm_like_server, client, me
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):  # the server refuses it too
         assert http_error(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert not llm_like_server.engine.has_unfinished_requests()
+
+
+def test_llm_chat_takes_the_messages_vllm_takes(llm_like_server):
+    """As vLLM's ``LLM.chat``: any role name, a tool result without ``tool_call_id``, a call without ``id``, a
+    tuple; a call's arguments as an object render as its JSON text does."""
+    def conv(arguments):
+        call = {"type": "function", "function": {"name": "get_time", "arguments": arguments}}
+        return (MSGS[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "name": "get_time", "content": "12:00"}, {"role": "ipython", "content": "ok"})
+
+    params = SamplingParams(max_tokens=1)
+    as_object, as_text = llm_like_server.chat([conv({"tz": "UTC"}), conv('{"tz": "UTC"}')], params, use_tqdm=False)
+    assert as_object.prompt_token_ids == as_text.prompt_token_ids
+    prompt = llm_like_server.engine.tokenizer.decode(as_object.prompt_token_ids, skip_special_tokens=False)
+    assert '"arguments": {"tz": "UTC"}' in prompt and "<tool_response>\n12:00" in prompt
+    assert "<|im_start|>ipython\nok" in prompt
 
 
 def test_llm_chat_renders_developer_and_text_parts_as_the_server_does(llm_like_server):

@@ -259,3 +259,31 @@ def test_a_call_cut_short_stays_a_call_and_is_not_repeated_as_content():
     whole.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
     whole.finish()
     assert not whole.incomplete and len(whole.calls) == 1
+
+
+# Qwen2.5's way of writing a call: the template serializes ``arguments`` itself (Hugging Face's object form).
+NATIVE_TEMPLATE = ("{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}:"
+                   "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+                   "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}\n{% endfor %}")
+
+
+def test_a_template_with_tools_gets_call_arguments_as_objects():
+    """OpenAI's arguments JSON text reaches a tool-aware template as an object, so ``tojson`` writes it once
+    (not as an escaped string); the caller's messages are left as they were."""
+    from leanserve.structured.tool_template import ToolTemplate
+    from leanserve.tokenizer import Tokenizer
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(HFTokenizer(BPE({"a": 0}, [])), kind="plain", vocab_size=1, bos_token_id=None, eos_token_id=0,
+                    stop_token_ids=frozenset({0}), add_bos=False, chat_template=NATIVE_TEMPLATE,
+                    special_ids=frozenset())
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]}]
+    text = ToolTemplate(tok, [TIME]).apply_chat_template(history, add_generation_prompt=False)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert '"arguments": "not json"' in text  # not JSON: passed on as the text it is
+    assert text.startswith('TOOLS:[{"type": "function"')
+    assert history[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'

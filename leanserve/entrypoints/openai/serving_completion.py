@@ -87,7 +87,7 @@ class OpenAIServingCompletion:
         prompts = self._prompts(req)
         echo_only = req.echo and req.max_tokens == 0
         if echo_only and num_prompt_lp is None:
-            return self._echo_only(req, prompts)
+            return await self._echo_only(req, prompts)
         constraint, field = constraint_of(req)
         names = {"structured_outputs": field} if field else None
         # echo of the prompt alone with its logprobs: one token is generated and dropped (as vLLM)
@@ -98,9 +98,8 @@ class OpenAIServingCompletion:
         admitted = await asyncio.to_thread(admit_all, self.engine, prompts, params, names)
         ctx = RequestContext(route=getattr(raw_request.state, "route", None))  # a router's decision, if any
         if params.truncate_prompt_tokens is not None:
-            sent = await asyncio.to_thread(
-                lambda: [len(self.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts])
-            ctx.admitted(sum(sent), sum(len(a.prompt_token_ids) for a in admitted), params.truncate_prompt_tokens)
+            ctx.admitted(sum(a.num_sent_tokens for a in admitted), sum(len(a.prompt_token_ids) for a in admitted),
+                         params.truncate_prompt_tokens)
         request_id = new_id("cmpl")
         streams, ctx.cache = await answer_cache.submit(
             raw_request, "completion", admitted, arrival, req.cache,
@@ -133,13 +132,14 @@ class OpenAIServingCompletion:
                                                              echo, echo_only, ctx).model_dump(mode="json")),
                                  ctx.cache)
 
-    def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
+    async def _echo_only(self, req: CompletionRequest, prompts: list[str | list[int]]) -> Response:
         """``echo`` with ``max_tokens: 0``: the prompts, checked as admission checks them (each must fit the
-        context) with the request's other parameters, and nothing generated; streamed when asked."""
+        context) with the request's other parameters, and nothing generated; streamed when asked. Tokenizing
+        runs off the event loop, as for any request."""
         sampling_params(req, None, None)  # n, temperature, ... are checked as for any request
         sent_prompts = prompts
         try:
-            prompts = [self.engine.check_prompt(p) for p in prompts]
+            prompts = await asyncio.to_thread(lambda: [self.engine.check_prompt(p) for p in prompts])
         except InvalidParameterError as exc:
             raise to_openai_error(exc) from None
         choices = []
