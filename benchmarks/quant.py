@@ -29,9 +29,11 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 from leanserve import LLM, SamplingParams
 from leanserve.loader import default_model_path, load_model
+from leanserve.quantization.prefill_gemm import BF16_GEMM_ENV, prefill_gemm_engine
 
 import torch
 
@@ -42,7 +44,9 @@ from benchmarks.llama_cpp_build import LlamaCppBuild, resolve_llama_cpp_bin
 CONFIGS = {"fp32": ("none", True, "auto"), "int8": ("int8", True, "auto"),
            "int4 (native Q4_1)": ("auto", True, "auto"), "Q4_1, torch kernels": ("auto", False, "auto"),
            "Q4_1 prefill lane": ("auto", True, "lane"),
-           "Q4_1 prefill bf16x3": ("auto", True, "bf16x3"), "Q4_1 prefill int8": ("auto", True, "int8")}
+           "Q4_1 prefill bf16x3": ("auto", True, "bf16x3"), "Q4_1 prefill int8": ("auto", True, "int8"),
+           "Q4_1 prefill bf16 avx512": ("auto", True, "auto", "avx512_bf16")}
+# a fourth element: the config's $LEANSERVE_BF16_GEMM (the bf16 prefill GEMM's engine; the others measure theirs)
 KERNEL_ROWS = (1, 4, 16, 32, 48, 64, 128, 256, 512, 2048)
 PER_OP = "Q4_1, per-op path"  # --b1-only: native Q4_1 with the fused decode off
 
@@ -96,6 +100,14 @@ def kernel_table(loaded, repeats: int = 20) -> dict[str, dict[int, float]]:
                     fn(x, b, t, ln)
             table[name][m] = (time.perf_counter() - t0) / (n * len(mats)) * 1e3
     return table
+
+
+def config_llm(loaded, name: str, args: argparse.Namespace) -> LLM:
+    """The LLM of ``CONFIGS[name]`` on the shared ``loaded`` weights (its bf16 GEMM engine set while it loads)."""
+    q, nk, pg, *engine = CONFIGS[name]
+    with mock.patch.dict(os.environ, {BF16_GEMM_ENV: engine[0]} if engine else {}):
+        return LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk,
+                   num_threads=args.threads, prefill_gemm=pg)
 
 
 def decode_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
@@ -237,9 +249,7 @@ def main() -> None:
     ids = tok.encode(corpus_text(200_000), add_special_tokens=False)
     long_ids = {n: ids[5000:5000 + n] for n in lengths}
     prompts = [ids[1000 + 16 * i:1000 + 16 * (i + 1)] for i in range(32)]
-    llms = {name: LLM(loaded=loaded, quantization=q, kv_cache_memory=args.kv_cache_memory, use_native_kernels=nk,
-                      num_threads=args.threads, prefill_gemm=pg)
-            for name, (q, nk, pg) in CONFIGS.items() if name in names}
+    llms = {name: config_llm(loaded, name, args) for name in CONFIGS if name in names}
     raw: dict[str, dict[str, list[float]]] = {
         n: {"decode_b1": [], "decode_b32": [], "prefill": [], **{f"prefill_{m}": [] for m in lengths}} for n in llms}
     for llm in llms.values():  # warm-up: a decode and a prefill (the first prefill of a process runs cold)
@@ -269,6 +279,7 @@ def main() -> None:
     peer = peers[0] if peers else {}
     for name, llm in llms.items():
         results[name]["weight_bytes"] = llm.engine.model.weight_bytes()
+        results[name]["bf16_gemm_engine"] = prefill_gemm_engine(llm.engine.model)
     kv32 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory).engine
     kv8 = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory, kv_cache_dtype="int8").engine
     kv = {"memory_bytes": args.kv_cache_memory, "fp32_tokens": kv32.kv.num_tokens_capacity(),
@@ -310,9 +321,7 @@ def b1_main(args: argparse.Namespace) -> None:
     loaded = load_model(None, quantization="auto")
     ids = loaded.tokenizer.encode(corpus_text(20_000), add_special_tokens=False)
     prompt = [ids[1000:1016]]
-    llms = {n: LLM(loaded=loaded, quantization=CONFIGS[n][0], kv_cache_memory=args.kv_cache_memory,
-                   use_native_kernels=CONFIGS[n][1], num_threads=args.threads, prefill_gemm=CONFIGS[n][2])
-            for n in names}
+    llms = {n: config_llm(loaded, n, args) for n in names}
     if "int4 (native Q4_1)" in llms:  # the same weights and kernels on the per-op path (fused decode off)
         per_op = LLM(loaded=loaded, quantization="auto", kv_cache_memory=args.kv_cache_memory,
                      num_threads=args.threads)
