@@ -33,7 +33,7 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "block_quant_gemm.cpp", "fuse
             "f32_gemm.cpp", "decode_layers.cpp", "lane_dequant.cpp", "prefill_attention.cpp", "kv_write.cpp",
             "amx_gemm.cpp", "lane_q8_gemm.cpp", "row_ops.cpp")
 _DISABLE_ENV = "LEANSERVE_DISABLE_NATIVE_KERNELS"
-_HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h", "amx_gemm.h", "out_rows.h", "block_amax.h")
+_HEADERS = ("spin_pool.h", "simd_exp.h", "kv_write.h", "amx_gemm.h", "amx_tiles.h", "out_rows.h", "block_amax.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math")
 ISA_ENV = "LEANSERVE_KERNEL_ISA"
 # Instruction-set paths: "native" compiles for this CPU (AVX-512 and VNNI where present); "avx2" turns AVX-512 and

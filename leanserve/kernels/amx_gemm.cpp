@@ -8,9 +8,9 @@
 // in the order xh wh, xh wl, xl wh. Every output row depends on its own x row only, with the same instructions
 // whatever M is, so a row's result is bitwise independent of the other rows (as the AVX512_BF16 engine's).
 //
-// The tile instructions are written as inline assembly (GNU as knows them whatever -march says), so this file
-// builds everywhere; they run only after amx_bf16_status() == "ready". The emulated tiles run the same program
-// on memory, for tests on machines without AMX.
+// The tiles (amx_tiles.h) are written as inline assembly, so this file builds everywhere; they run only after
+// amx_bf16_status() == "ready". The emulated tiles run the same program on memory, for tests on machines without
+// AMX.
 #include "amx_gemm.h"
 #include "spin_pool.h"
 
@@ -19,8 +19,9 @@
 #include <cstring>
 #include <stdexcept>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__AVX512BF16__) && (defined(__GNUC__) || defined(__clang__))
-#define LS_AMX_HW 1
+#include "amx_tiles.h"
+
+#ifdef LS_AMX_HW
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -29,109 +30,11 @@
 namespace leanserve {
 namespace {
 
-constexpr int kTiles = 8, kTileRows = 16, kTileBytes = 64;
-
-// The 64-byte tile configuration of LDTILECFG (palette 1): every tile used as 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < kTiles; ++t) colsb[t] = kTileBytes, rows[t] = kTileRows;
-  }
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
+using amx::EmulatedTiles;
+using amx::kTileRows;
 #ifdef LS_AMX_HW
-// The hardware tiles. AT&T operand order: tdpbf16ps %tmmB, %tmmA, %tmmC is C += A B.
-#define LS_TILE_CASES(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-struct HardwareTiles {
-  static void begin() {
-    static const TileConfig config;
-    __asm__ volatile("ldtilecfg %0" ::"m"(config));
-  }
-  static void end() { __asm__ volatile("tilerelease" ::: "memory"); }
-  template <int T>
-  static void zero() {
-#define LS_CASE(n) if constexpr (T == n) __asm__ volatile("tilezero %%tmm" #n ::);
-    LS_TILE_CASES(LS_CASE)
-#undef LS_CASE
-  }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-#define LS_CASE(n) \
-  if constexpr (T == n) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #n ::"r"(p), "r"(stride) : "memory");
-    LS_TILE_CASES(LS_CASE)
-#undef LS_CASE
-  }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-#define LS_CASE(n) \
-  if constexpr (T == n) __asm__ volatile("tilestored %%tmm" #n ", (%0,%1,1)" ::"r"(p), "r"(stride) : "memory");
-    LS_TILE_CASES(LS_CASE)
-#undef LS_CASE
-  }
-  template <int C, int A, int B>
-  static void dot() {
-    static_assert(C != A && C != B && A != B, "TDPBF16PS needs three distinct tiles");
-#define LS_DOT(c, a, b) \
-  if constexpr (C == c && A == a && B == b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::);
-    // the (C, A, B) triples of the two programs below
-    LS_DOT(0, 4, 6) LS_DOT(1, 4, 7) LS_DOT(2, 5, 6) LS_DOT(3, 5, 7)
-    LS_DOT(0, 2, 4) LS_DOT(0, 2, 6) LS_DOT(0, 3, 4) LS_DOT(1, 2, 5) LS_DOT(1, 2, 7) LS_DOT(1, 3, 5)
-#undef LS_DOT
-  }
-};
-#undef LS_TILE_CASES
+using amx::HardwareTiles;
 #endif
-
-// A scalar model of the tiles (per thread), following the Intel SDM pseudocode of the instructions.
-struct EmulatedTiles {
-  alignas(64) static thread_local uint8_t regs[kTiles][kTileRows * kTileBytes];
-  static float bf16(uint16_t b) {
-    if ((b & 0x7F80) == 0) return 0.f;  // DAZ: a zero exponent (zero or subnormal) reads as zero
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  static void begin() {}
-  static void end() {}
-  template <int T>
-  static void zero() { std::memset(regs[T], 0, sizeof(regs[T])); }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    for (int r = 0; r < kTileRows; ++r)
-      std::memcpy(regs[T] + r * kTileBytes, static_cast<const uint8_t*>(p) + r * stride, kTileBytes);
-  }
-  template <int T>
-  static void store(void* p, int64_t stride) {
-    for (int r = 0; r < kTileRows; ++r)
-      std::memcpy(static_cast<uint8_t*>(p) + r * stride, regs[T] + r * kTileBytes, kTileBytes);
-  }
-  template <int C, int A, int B>
-  static void dot() {
-    float c[kTileRows][16];
-    uint16_t a[kTileRows][32], b[kTileRows][32];
-    std::memcpy(c, regs[C], sizeof(c));
-    std::memcpy(a, regs[A], sizeof(a));
-    std::memcpy(b, regs[B], sizeof(b));
-    for (int m = 0; m < kTileRows; ++m) {
-      for (int k = 0; k < 16; ++k) {  // pairs of k in order, as the pseudocode's loop; n innermost
-        for (int n = 0; n < 16; ++n) {
-          float t = c[m][n] + bf16(a[m][2 * k]) * bf16(b[k][2 * n]);
-          t = t + bf16(a[m][2 * k + 1]) * bf16(b[k][2 * n + 1]);
-          c[m][n] = t;
-        }
-      }
-      for (int n = 0; n < 16; ++n)
-        if (c[m][n] != 0.f && std::abs(c[m][n]) < 1.17549435e-38f) c[m][n] = std::copysign(0.f, c[m][n]);  // FTZ
-    }
-    std::memcpy(regs[C], c, sizeof(c));
-  }
-};
-alignas(64) thread_local uint8_t EmulatedTiles::regs[kTiles][kTileRows * kTileBytes];
 
 // Stores a 16-row fp32 tile of an R-row block: straight into y when all 16 rows are real, else through a buffer.
 template <class Tiles, int T>

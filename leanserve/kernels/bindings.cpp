@@ -30,7 +30,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor hi, torch::Tensor lo, int
 std::string amx_bf16_status();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16,
-                                      c10::optional<torch::Tensor> out);
+                                      c10::optional<torch::Tensor> out, const std::string& engine);
 bool prefill_attention_bf16_simd();
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slot_mapping);
@@ -69,10 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16_status", &amx_bf16_status, "whether this process can run AMX bf16 tiles: ready, or why not "
         "(build, cpu, os, permission)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots), "
-        "into out when given", pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        "causal prefill attention of one chunk read in place from the paged KV cache (CPU, float32 or bf16 dots; "
+        "bf16 on the avx512_bf16, amx or amx_emulated engine), into out when given", pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_ids"), pybind11::arg("context_len"), pybind11::arg("scale"), pybind11::arg("use_bf16"),
-        pybind11::arg("out") = pybind11::none());
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("engine") = "avx512_bf16");
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
         "whether paged_prefill_attention has its AVX512_BF16 path");
   m.def("write_kv_", &write_kv_, "new K/V rows into the paged cache through the slot mapping (float32 or float16)");

@@ -34,6 +34,8 @@
 // returns     [n, H, D] float32 (out when given)
 // SIMD paths for D in {64, 128} and block_size a multiple of 16; other shapes run the scalar loops (same contract).
 #include <torch/extension.h>
+#include "amx_gemm.h"
+#include "amx_tiles.h"
 #include "simd_exp.h"
 #include "spin_pool.h"
 
@@ -81,13 +83,15 @@ struct Packed {
   const T* vblock(int64_t kh, int64_t j) const { return v + (kh * nblk + j) * vs; }
 };
 
-// Packs the blocks the chunk reads (in parallel over (KV head, block)), then runs task(kv_head, first query row,
-// query rows) for every (KV head, tile), heaviest tiles first, on the pool. The packed copy lives in buffers of the
+// Packs the keys the chunk reads (in parallel over (KV head, unit), a unit being Worker::unit keys: a cache block,
+// or the AMX path's key step), then runs task(kv_head, first query row, query rows) for every (KV head, tile),
+// heaviest tiles first, on the pool. The packed copy lives in buffers of the
 // calling thread, kept between calls (grown to the longest sequence seen: 2 * its tokens * KVH * D elements).
 template <class Worker>
 void run_tasks(const Args& a) {
   using T = typename Worker::T;
-  const int64_t nblk = (a.ctx + a.n + a.BS - 1) / a.BS;
+  const int64_t unit = Worker::unit(a);  // keys per packed unit: a cache block, or the AMX path's key step
+  const int64_t nblk = (a.ctx + a.n + unit - 1) / unit;
   const int64_t ks = Worker::k_size(a), vs = Worker::v_size(a);
   static thread_local std::vector<T> kbuf, vbuf;
   if (static_cast<int64_t>(kbuf.size()) < nblk * a.KVH * ks) kbuf.resize(nblk * a.KVH * ks);
@@ -118,6 +122,7 @@ void run_tasks(const Args& a) {
 // ------------------------------------------------------------------------------------------------ scalar loops
 struct ScalarWorker {  // reads the cache directly (no packed copy)
   using T = float;
+  static int64_t unit(const Args& a) { return a.BS; }
   static int64_t k_size(const Args&) { return 0; }
   static int64_t v_size(const Args&) { return 0; }
   static void pack(const Args&, int64_t, int64_t, float*, float*) {}
@@ -264,6 +269,7 @@ inline float softmax_step(float* s, int64_t BS, int64_t valid, float scale, floa
 template <int64_t kD>
 struct F32Worker {
   using T = float;
+  static int64_t unit(const Args& a) { return a.BS; }
   static constexpr int64_t kPV = std::max<int64_t>(1, 16 / (kD / W));  // rows per P V group (16 accumulators)
   // rows per scores group (tile rows are padded to a multiple): 8 with AVX-512 (32 zmm), 6 with AVX2 (16 ymm:
   // 6 rows x 16 keys = 12 accumulators, 2 key vectors, 1 broadcast)
@@ -445,6 +451,7 @@ inline __m256i bf16x16(const float* x) {
 template <int64_t kD>
 struct Bf16Worker {
   using T = uint32_t;
+  static int64_t unit(const Args& a) { return a.BS; }
   static constexpr int64_t kPV = std::max<int64_t>(1, 16 / (kD / 16));
   static int64_t k_size(const Args& a) { return kD / 2 * a.BS; }
   static int64_t v_size(const Args& a) { return kD / 2 * a.BS; }
@@ -563,6 +570,173 @@ struct Bf16Worker {
       for (int64_t v = 0; v < kV; ++v) _mm512_storeu_ps(&acc[(r0 + r) * kD + v * 16], x[r][v]);
   }
 };
+
+// ------------------------------------------------------------------------------------------------ AMX path
+// The bf16 path's operands (bf16 Q, K, V and P, fp32 sums, scores and softmax in fp32) with both products on AMX
+// tiles (amx_tiles.h): S = Q K^T and P V as TDPBF16PS over 16-row tiles of the task's rows. The online softmax
+// steps over units of S = amx_step_keys(BS) keys (whole cache blocks: 64 keys for block sizes 16, 32 and 64), so
+// a tile's K-dimension is full; units are counted from key 0 whatever the chunk, so a row still runs the same
+// instructions over the same units (its last one masked past its position), and rows that do not reach a unit
+// are not updated by it (their accumulators are written back only for the rows that see it).
+// Packed per unit: K as [D / 2, S] pairs (the B tiles of the scores: pair row p, 16 keys per tile), V as
+// [S / 2, D] pairs (the B tiles of P V: key-pair row u, 16 dims per tile); keys past the chunk's end are zero.
+inline int64_t amx_step_keys(int64_t BS) { return BS >= 64 ? BS : (64 % BS == 0 ? 64 : BS); }
+// Whether the AMX path takes this block size: its unit a multiple of 32 keys (a full tile of P pairs), <= 128 (P's
+// four A tiles).
+inline bool amx_takes(int64_t BS) {
+  const int64_t step = amx_step_keys(BS);
+  return BS % 16 == 0 && step % 32 == 0 && step <= 128;
+}
+
+template <int64_t kD, class Tiles>
+struct AmxWorker {
+  using T = uint32_t;
+  static constexpr int64_t kQC = kD / 32;  // Q's 32-dim chunks: the A tiles of the scores (2 or 4)
+  static constexpr int64_t kTR = 16;       // rows per tile
+  static int64_t unit(const Args& a) { return amx_step_keys(a.BS); }
+  static int64_t k_size(const Args& a) { return kD / 2 * unit(a); }
+  static int64_t v_size(const Args& a) { return kD / 2 * unit(a); }
+  static void pack(const Args& a, int64_t j, int64_t kh, uint32_t* kp, uint32_t* vp) {
+    const int64_t S = unit(a), BS = a.BS, row = a.KVH * kD, end = a.ctx + a.n;
+    auto key = [&](const float* cache, int64_t t) -> const float* {  // key t of unit j, or null past the chunk
+      const int64_t p = j * S + t;
+      return p < end ? cache + (a.bt[p / BS] * BS + p % BS) * row + kh * kD : nullptr;
+    };
+    alignas(64) uint32_t krow[kD / 2];
+    for (int64_t t = 0; t < S; ++t) {
+      const float* kr = key(a.kc, t);
+      if (kr) {
+        for (int64_t d = 0; d < kD; d += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(krow) + d), bf16x16(kr + d));
+        for (int64_t p = 0; p < kD / 2; ++p) kp[p * S + t] = krow[p];
+      } else {
+        for (int64_t p = 0; p < kD / 2; ++p) kp[p * S + t] = 0u;
+      }
+    }
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t u = 0; u < S / 2; ++u) {
+      const float* v0 = key(a.vc, 2 * u);
+      const float* v1 = key(a.vc, 2 * u + 1);
+      for (int64_t d = 0; d < kD; d += 16) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(v1 ? _mm512_loadu_ps(v1 + d) : _mm512_setzero_ps(),
+                                                  v0 ? _mm512_loadu_ps(v0 + d) : _mm512_setzero_ps());
+        _mm512_storeu_si512(&vp[u * kD + d], _mm512_permutexvar_epi16(inter, reinterpret_cast<const __m512i&>(both)));
+      }
+    }
+  }
+  const Args& a;
+  const Packed<uint32_t>& packed;
+  const int64_t S;
+  std::vector<uint16_t> qs, pb;
+  std::vector<float> s, acc, m, l, c;
+  AmxWorker(const Args& args, const Packed<uint32_t>& pk)
+      : a(args), packed(pk), S(unit(args)), qs(pad(args) * kD), pb(pad(args) * S), s(pad(args) * S),
+        acc(pad(args) * kD), m(pad(args)), l(pad(args) * W), c(pad(args)) {}
+  static int64_t pad(const Args& a) { return (kTileQ * a.G + kTR - 1) / kTR * kTR; }
+
+  void task(int64_t kh, int64_t i0, int64_t nq) {
+    const int64_t G = a.G, rows = nq * G, tiles = (rows + kTR - 1) / kTR;
+    for (int64_t r = 0; r < tiles * kTR; ++r)
+      for (int64_t d = 0; d < kD; d += 16) {
+        __m256i h = _mm256_setzero_si256();
+        if (r < rows) h = bf16x16(a.qrow(i0 + r / G, kh * G + r % G) + d);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&qs[r * kD + d]), h);
+      }
+    std::fill(acc.begin(), acc.begin() + rows * kD, 0.f);
+    std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + rows * W, 0.f);
+    std::fill(pb.begin(), pb.end(), uint16_t{0});  // rows that skip a unit still go through its tiles
+    const int64_t last = a.ctx + i0 + nq - 1;
+    Tiles::begin();
+    for (int64_t j = 0; j * S <= last; ++j) {
+      const uint32_t* kp = packed.kblock(kh, j);
+      const uint32_t* vp = packed.vblock(kh, j);
+      const int64_t first = std::max<int64_t>(0, j * S - a.ctx - i0) * G;  // rows r >= first see unit j
+      for (int64_t t = first / kTR; t < tiles; ++t) scores(t, kp);
+      for (int64_t r = first; r < rows; ++r) {
+        const int64_t valid = std::min(S, a.ctx + i0 + r / G - j * S + 1);
+        c[r] = softmax_step(&s[r * S], S, valid, a.scale, m[r], &l[r * W]);
+        for (int64_t t = 0; t < S; t += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pb[r * S + t]), bf16x16(&s[r * S + t]));
+      }
+      for (int64_t t = first / kTR; t < tiles; ++t) pv(t, vp, first, rows);
+    }
+    Tiles::end();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = a.orow(i0 + r / G, kh * G + r % G);
+      const float inv = 1.f / Isa::hsum(Isa::load(&l[r * W]));
+      for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
+    }
+  }
+
+  // Loads tiles 2, 3, ... with the kN 32-element chunks of a 16-row operand at p (rows at stride bytes).
+  template <int64_t kN, int64_t i = 0>
+  static void load_a(const uint16_t* p, int64_t stride) {
+    if constexpr (i < kN) {
+      Tiles::template load<2 + i>(p + 32 * i, stride);
+      load_a<kN, i + 1>(p, stride);
+    }
+  }
+  // C0 += A(2 + i) B6 and C1 += A(2 + i) B7 for the chunks i of the A operand, B tiles from b(i) and b(i) + 16.
+  template <int64_t kN, int64_t i = 0, class F>
+  static void dots(F b, int64_t stride) {
+    if constexpr (i < kN) {
+      const uint32_t* p = b(i);
+      Tiles::template load<6>(p, stride);
+      Tiles::template load<7>(p + 16, stride);
+      Tiles::template dot<0, 2 + i, 6>();
+      Tiles::template dot<1, 2 + i, 7>();
+      dots<kN, i + 1>(b, stride);
+    }
+  }
+
+  // s[rows of tile t, 0 .. S) = q . K^T: per 32 keys, tiles C0 C1 over Q's kQC chunks (A tiles 2 ..).
+  void scores(int64_t t, const uint32_t* kp) {
+    load_a<kQC>(&qs[t * kTR * kD], kD * 2);
+    float* st = &s[t * kTR * S];
+    for (int64_t n = 0; n < S; n += 32) {
+      Tiles::template zero<0>();
+      Tiles::template zero<1>();
+      dots<kQC>([&](int64_t i) { return kp + 16 * i * S + n; }, S * 4);
+      Tiles::template store<0>(st + n, S * 4);
+      Tiles::template store<1>(st + n + 16, S * 4);
+    }
+  }
+
+  // Rows [max(first, tile start), rows) of tile t: acc = acc * c + P V, per 32 dims tiles C0 C1 over P's S / 32
+  // chunks (A tiles 2 ..), then added to the rescaled accumulators in fp32.
+  void pv(int64_t t, const uint32_t* vp, int64_t first, int64_t rows) {
+    const int64_t r0 = t * kTR;
+    switch (S / 32) {
+      case 1: load_a<1>(&pb[r0 * S], S * 2); break;
+      case 2: load_a<2>(&pb[r0 * S], S * 2); break;
+      case 3: load_a<3>(&pb[r0 * S], S * 2); break;
+      default: load_a<4>(&pb[r0 * S], S * 2); break;
+    }
+    alignas(64) float tmp[kTR * 32];
+    for (int64_t d0 = 0; d0 < kD; d0 += 32) {
+      Tiles::template zero<0>();
+      Tiles::template zero<1>();
+      auto b = [&](int64_t i) { return vp + 16 * i * kD + d0; };
+      switch (S / 32) {
+        case 1: dots<1>(b, kD * 4); break;
+        case 2: dots<2>(b, kD * 4); break;
+        case 3: dots<3>(b, kD * 4); break;
+        default: dots<4>(b, kD * 4); break;
+      }
+      Tiles::template store<0>(tmp, 32 * 4);
+      Tiles::template store<1>(tmp + 16, 32 * 4);
+      for (int64_t r = std::max(first, r0); r < std::min(rows, r0 + kTR); ++r) {
+        float* ar = &acc[r * kD + d0];
+        const __m512 cr = _mm512_set1_ps(c[r]);
+        const float* pr = tmp + (r - r0) * 32;
+        _mm512_storeu_ps(ar, _mm512_fmadd_ps(_mm512_loadu_ps(ar), cr, _mm512_loadu_ps(pr)));
+        _mm512_storeu_ps(ar + 16, _mm512_fmadd_ps(_mm512_loadu_ps(ar + 16), cr, _mm512_loadu_ps(pr + 16)));
+      }
+    }
+  }
+};
 #endif  // LS_PREFILL_BF16
 #endif  // AVX2 + FMA
 
@@ -577,10 +751,16 @@ bool prefill_attention_bf16_simd() {
 #endif
 }
 
-// See the top of this file. use_bf16: the bf16 dot-product path (needs prefill_attention_bf16_simd()).
+// See the top of this file. use_bf16: the bf16 dot-product path (needs prefill_attention_bf16_simd()); engine
+// (bf16 path only): "avx512_bf16" (vdpbf16ps), "amx" (AMX tiles, needs amx_bf16_status() == "ready"; block sizes
+// whose unit amx_takes() refuses run avx512_bf16) or "amx_emulated" (the AMX program on emulated tiles, for tests).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16,
-                                      c10::optional<torch::Tensor> out_opt) {
+                                      c10::optional<torch::Tensor> out_opt, const std::string& engine) {
+  TORCH_CHECK(engine == "avx512_bf16" || engine == "amx" || engine == "amx_emulated",
+              "paged_prefill_attention: engine must be avx512_bf16, amx or amx_emulated, not ", engine);
+  TORCH_CHECK(engine != "amx" || leanserve::amx_bf16_status() == "ready",
+              "paged_prefill_attention: this process cannot run AMX tiles (", leanserve::amx_bf16_status(), ")");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "paged_prefill_attention: float32 q and KV cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous KV cache");
@@ -620,6 +800,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 #if defined(__AVX2__) && defined(__FMA__)
   const bool simd = BS % 16 == 0 && (a.D == 64 || a.D == 128);
 #ifdef LS_PREFILL_BF16
+  if (use_bf16 && simd && engine != "avx512_bf16" && amx_takes(BS)) {
+    if (engine == "amx_emulated") {
+      if (a.D == 64) return run_tasks<AmxWorker<64, leanserve::amx::EmulatedTiles>>(a), out;
+      return run_tasks<AmxWorker<128, leanserve::amx::EmulatedTiles>>(a), out;
+    }
+#ifdef LS_AMX_HW
+    if (a.D == 64) return run_tasks<AmxWorker<64, leanserve::amx::HardwareTiles>>(a), out;
+    return run_tasks<AmxWorker<128, leanserve::amx::HardwareTiles>>(a), out;
+#endif
+  }
   if (use_bf16) {
     if (simd && a.D == 64) return run_tasks<Bf16Worker<64>>(a), out;
     if (simd) return run_tasks<Bf16Worker<128>>(a), out;

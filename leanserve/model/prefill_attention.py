@@ -4,8 +4,10 @@ A prefill chunk's causal attention over an fp32 (or fp16, widened per call) page
 sequence's block table (flash attention over one cache block of keys at a time; the chunk's blocks packed once per
 call into the dot products' operand layout, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16
 mode (products of bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16,
-fp32 otherwise, so that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers. A query row's result is bitwise
-independent of its chunk's length and start and of where its context came from (see the kernel's notes).
+fp32 otherwise, so that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers; the bf16 mode's products run on AMX
+tiles when the bf16 GEMM does (``resolve_bf16_engine``), the same bf16 operands summed in another order. A query
+row's result is bitwise independent of its chunk's length and start and of where its context came from (see the
+kernel's notes).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ class PrefillAttentionKernel:
 
     Attributes:
         bf16: whether the bf16 dot-product path runs (else fp32).
+        engine: the bf16 path's engine, ``avx512_bf16`` or ``amx`` (the kernel's ``engine`` argument).
     """
 
-    __slots__ = ("ext", "bf16")
+    __slots__ = ("ext", "bf16", "engine")
 
-    def __init__(self, ext: Any, bf16: bool) -> None:
-        self.ext, self.bf16 = ext, bf16
+    def __init__(self, ext: Any, bf16: bool, engine: str = "avx512_bf16") -> None:
+        self.ext, self.bf16, self.engine = ext, bf16, engine
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  context_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,9 +51,11 @@ class PrefillAttentionKernel:
         if not _rows_dense(q):
             q = q.contiguous()
         if out is not None and not _rows_dense(out):
-            out[:] = self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16)
+            out[:] = self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16,
+                                                      engine=self.engine)
             return out
-        return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16, out)
+        return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16, out,
+                                                self.engine)
 
 
 def _rows_dense(x: torch.Tensor) -> bool:
@@ -60,14 +65,16 @@ def _rows_dense(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == head_dim and (n <= 1 or x.stride(0) >= heads * head_dim)
 
 
-def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int,
-                             prefill_gemm: str) -> PrefillAttentionKernel | None:
+def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int, prefill_gemm: str,
+                             gemm_engine: str | None = None) -> PrefillAttentionKernel | None:
     """The kernel for a model's fp32 or fp16 KV cache on CPU, or None where the torch path should run: no native
     kernels (``ext`` None or without the kernel), a head size outside ``KERNEL_HEAD_DIMS``, or a block size that is
     not a multiple of 16. ``prefill_gemm`` is the resolved ``--prefill-gemm`` mode: ``bf16`` selects the bf16 path
-    where the build has AVX512_BF16 (``ext.prefill_attention_bf16_simd()``), anything else the fp32 path."""
+    where the build has AVX512_BF16 (``ext.prefill_attention_bf16_simd()``), anything else the fp32 path;
+    ``gemm_engine`` (``prefill_gemm_engine``) ``amx`` puts the bf16 path on AMX tiles too."""
     if ext is None or not hasattr(ext, "paged_prefill_attention"):
         return None
     if head_dim not in KERNEL_HEAD_DIMS or block_size % 16:
         return None
-    return PrefillAttentionKernel(ext, prefill_gemm == "bf16" and bool(ext.prefill_attention_bf16_simd()))
+    bf16 = prefill_gemm == "bf16" and bool(ext.prefill_attention_bf16_simd())
+    return PrefillAttentionKernel(ext, bf16, "amx" if bf16 and gemm_engine == "amx" else "avx512_bf16")

@@ -20,6 +20,7 @@ from leanserve.model.llama import LlamaModel
 from leanserve.model.prefill_attention import PrefillAttentionKernel, prefill_attention_kernel
 from leanserve.quantization import check_kv_cache_dtype
 from leanserve.quantization.kv_cache import Int8KVCache, zeroed
+from leanserve.quantization.prefill_gemm import prefill_gemm_engine
 from leanserve.sampling_params import SamplingParams
 from leanserve.structured.grammar import GrammarState, bitmask_words
 from leanserve.worker.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_rows
@@ -127,8 +128,9 @@ class ModelRunner:
                 and model.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16):
             ext = native_ops()
             self.decode_kernel = ext.paged_decode_attention if ext is not None else None
-            # native prefill attention; fp32 or bf16 dots as --prefill-gemm
-            self.prefill_kernel = prefill_attention_kernel(ext, k_cache.shape[3], block_size, prefill_gemm)
+            # native prefill attention; fp32 or bf16 dots as --prefill-gemm, on the bf16 GEMM's engine (AMX or not)
+            self.prefill_kernel = prefill_attention_kernel(ext, k_cache.shape[3], block_size, prefill_gemm,
+                                                           prefill_gemm_engine(model))
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         req = s.request

@@ -126,8 +126,8 @@ def test_native_q4_1_greedy_matches_transformers_in_every_prefill_mode(loaded_na
 
 
 def test_amx_engine_serves_the_same_greedy_text(loaded_native, hf_runs):
-    """The AMX engine's tile program (emulated where the CPU has no AMX: the same program on a scalar model of the
-    tiles) wired into the engine: a prompt's prefill rows on it give the tokens of the AVX512_BF16 engine (the
+    """The AMX engine's tile programs, GEMM and prefill attention (emulated where the CPU has no AMX: the same
+    programs on a scalar model of the tiles) wired into the engine: a prompt's prefill rows on them give the tokens of the AVX512_BF16 engine (the
     engines differ only in the fp32 summation order of the same bf16 products) and logprobs within 0.02 (a last-bit
     difference of a sum can flip the bf16 rounding of the next layer's input, 2**-8 relative: measured 3e-3 on
     this prompt; bf16 against fp32 is allowed 0.05 above)."""
@@ -137,11 +137,15 @@ def test_amx_engine_serves_the_same_greedy_text(loaded_native, hf_runs):
     llm = LLM(loaded=loaded_native, kv_cache_memory=64 << 20, prefill_gemm="bf16", enable_prefix_caching=False)
     prefill = llm.engine.model.layers[0].qkv.prefill
     assert prefill is not None and prefill.engine in ("avx512_bf16", "amx")
+    attention = llm.engine.runner.prefill_kernel  # the prefill attention follows the GEMM onto the tiles
+    assert attention is None or attention.engine == prefill.engine
     ids = hf_runs[0][0][:24]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     runs = {}
     for engine in ("avx512_bf16", "amx" if ext.amx_bf16_status() == "ready" else "amx_emulated"):
         prefill.engine = engine  # shared by every layer's weights
+        if attention is not None:
+            attention.engine = engine
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
         runs[engine] = (out.token_ids, [next(iter(lp.values())).logprob for lp in out.logprobs])
     (tok_a, lp_a), (tok_b, lp_b) = runs.values()

@@ -10,7 +10,7 @@ import sys
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, PrefillChunk, paged_attention
-from leanserve.model.prefill_attention import prefill_attention_kernel
+from leanserve.model.prefill_attention import PrefillAttentionKernel, prefill_attention_kernel
 
 import pytest
 import torch
@@ -35,8 +35,25 @@ def kernel_isa(request, monkeypatch):
     return request.param
 
 
-def _paths() -> list[bool]:
-    return [False, True] if native_ops().prefill_attention_bf16_simd() else [False]
+def _bf16_engines() -> list[str]:
+    """The bf16 path's engines this build and process can run: vdpbf16ps, the AMX program on emulated tiles, and
+    on AMX hardware the tiles themselves."""
+    ext = native_ops()
+    if not ext.prefill_attention_bf16_simd():
+        return []
+    return ["avx512_bf16", "amx_emulated"] + (["amx"] if ext.amx_bf16_status() == "ready" else [])
+
+
+# (use_bf16, engine) of each path a test runs on; a path this build or CPU lacks is skipped
+PATHS = {"fp32": (False, "avx512_bf16"), "bf16": (True, "avx512_bf16"), "bf16-amx_emulated": (True, "amx_emulated"),
+         "bf16-amx": (True, "amx")}
+
+
+def _path(name: str) -> tuple[bool, str]:
+    bf16, engine = PATHS[name]
+    if bf16 and engine not in _bf16_engines():
+        pytest.skip(f"no {engine} bf16 engine in this build or process")
+    return bf16, engine
 
 
 def _cache(num_blocks: int, bs: int, kvh: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,24 +90,27 @@ def test_matches_float64_attention(shape, ctx, n):
     out = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, False)
     assert out.shape == q.shape and out.dtype == torch.float32
     assert (out.double() - _reference(q, k_cache, v_cache, ids, ctx)).abs().max().item() <= FP32_ATOL
-    if True in _paths() and d in (64, 128):
-        out = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, True).double()
-        assert (out - _reference(q, k_cache, v_cache, ids, ctx)).abs().max().item() <= BF16_ATOL
+    for engine in _bf16_engines() if d in (64, 128) else []:
+        out = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, True, engine=engine).double()
+        assert (out - _reference(q, k_cache, v_cache, ids, ctx)).abs().max().item() <= BF16_ATOL, engine
         ref = _reference(_bf16(q), _bf16(k_cache), _bf16(v_cache), ids, ctx)
         vmax = v_cache[ids].abs().max().item()
-        assert (out - ref).abs().max().item() <= BF16_P_BOUND * vmax
+        assert (out - ref).abs().max().item() <= BF16_P_BOUND * vmax, engine
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_row_bitwise_independent_of_chunking(bf16):
-    if bf16 and not native_ops().prefill_attention_bf16_simd():
-        pytest.skip("no AVX512_BF16 path in this build")
-    bs, kvh, group, d, total = 16, 3, 3, 64, 300
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_row_bitwise_independent_of_chunking(path, bs):
+    """Also where the AMX path's key unit (64 keys) spans several cache blocks and a chunk starts inside one."""
+    bf16, engine = _path(path)
+    kvh, group, d, total = 3, 3, 64, 300
     k_cache, v_cache = _cache(60, bs, kvh, d, seed=3)
     g = torch.Generator().manual_seed(4)
     ids = torch.randperm(60, generator=g)[:-(-total // bs)]
     q = torch.randn(total, kvh * group, d, generator=g)
-    run = native_ops().paged_prefill_attention
+
+    def run(*args):
+        return native_ops().paged_prefill_attention(*args, engine=engine)
     whole = run(q, k_cache, v_cache, ids, 0, d ** -0.5, bf16)
     for ctx, n in [(0, 9), (37, 263), (100, 8), (129, 171), (250, 1), (290, 10), (16, 16)]:
         stale_k, stale_v = k_cache.clone(), v_cache.clone()
@@ -109,13 +129,12 @@ def test_row_bitwise_independent_of_chunking(bf16):
     assert torch.equal(run(q[200:].contiguous(), moved_k, moved_v, moved_ids, 200, d ** -0.5, bf16), whole[200:])
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_strided_q_and_out_equal_the_contiguous_call(bf16):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_strided_q_and_out_equal_the_contiguous_call(path):
     """q read in place from the fused qkv product's columns (rows at a stride), the result written into a slice of
     a larger tensor: bitwise the contiguous call's, nothing outside the slice touched; the wrapper copies a q whose
     heads are not contiguous and fills an ``out`` of any layout."""
-    if bf16 and not native_ops().prefill_attention_bf16_simd():
-        pytest.skip("no AVX512_BF16 path in this build")
+    bf16, engine = _path(path)
     bs, kvh, group, d, ctx, n = 16, 3, 3, 64, 40, 50
     heads = kvh * group
     k_cache, v_cache = _cache(20, bs, kvh, d, seed=11)
@@ -125,23 +144,27 @@ def test_strided_q_and_out_equal_the_contiguous_call(bf16):
     q = qkv[:, :heads * d].view(n, heads, d)  # row stride (heads + 2 kvh) d
     assert not q.is_contiguous()
     ext = native_ops()
-    want = ext.paged_prefill_attention(q.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16)
-    assert torch.equal(ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16), want)
+    want = ext.paged_prefill_attention(q.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16, engine=engine)
+    assert torch.equal(ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, engine=engine),
+                       want)
     big = torch.full((n + 7, heads, d), 7.0)
-    got = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, out=big[3:3 + n])
+    got = ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, engine=engine,
+                                      out=big[3:3 + n])
     assert got.data_ptr() == big[3].data_ptr() and torch.equal(big[3:3 + n], want)
     assert (big[:3] == 7).all() and (big[3 + n:] == 7).all()
-    kernel = prefill_attention_kernel(ext, d, bs, "bf16" if bf16 else "lane")
+    kernel = PrefillAttentionKernel(ext, bf16, engine)
     swapped = qkv[:, :heads * d].view(n, d, heads).transpose(1, 2)  # heads not contiguous: copied first
     assert torch.equal(kernel(swapped, k_cache, v_cache, ids, ctx, d ** -0.5),
-                       ext.paged_prefill_attention(swapped.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16))
+                       ext.paged_prefill_attention(swapped.contiguous(), k_cache, v_cache, ids, ctx, d ** -0.5, bf16,
+                                                   engine=engine))
     odd_out = torch.zeros(n, d, heads).transpose(1, 2)
     kernel(q, k_cache, v_cache, ids, ctx, d ** -0.5, out=odd_out)
     assert torch.equal(odd_out, want)
     with pytest.raises(RuntimeError, match="heads contiguous"):
-        ext.paged_prefill_attention(swapped, k_cache, v_cache, ids, ctx, d ** -0.5, bf16)
+        ext.paged_prefill_attention(swapped, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, engine=engine)
     with pytest.raises(RuntimeError, match="out must be"):
-        ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, out=torch.empty(n, heads, 32))
+        ext.paged_prefill_attention(q, k_cache, v_cache, ids, ctx, d ** -0.5, bf16, engine=engine,
+                                    out=torch.empty(n, heads, 32))
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -201,12 +224,38 @@ def test_model_qkv_close_to_float64(loaded):
         out = ext.paged_prefill_attention(q[ctx:].contiguous(), k_cache, v_cache, block_ids, ctx, d ** -0.5, False)
         scale = ref.abs().max().item()
         assert (out.double() - ref).abs().max().item() <= FP32_ATOL * max(1.0, scale)
-        if True in _paths():
+        for engine in _bf16_engines():
             out = ext.paged_prefill_attention(q[ctx:].contiguous(), k_cache, v_cache, block_ids, ctx, d ** -0.5,
-                                              True)
+                                              True, engine=engine)
             ref16 = _reference(_bf16(q[ctx:]), _bf16(k_cache), _bf16(v_cache), block_ids, ctx)
             vmax = v_cache[block_ids].abs().max().item()
-            assert (out.double() - ref16).abs().max().item() <= BF16_P_BOUND * vmax
+            assert (out.double() - ref16).abs().max().item() <= BF16_P_BOUND * vmax, engine
+
+
+@pytest.mark.parametrize("shape", [(16, 3, 3, 64), (32, 2, 4, 128), (128, 1, 2, 64)], ids=["bs16", "bs32-d128",
+                                                                                            "bs128"])
+def test_amx_hardware_equals_its_emulation(shape):
+    """On an AMX machine: the tiles against the same program on emulated tiles (which follow the Intel SDM's
+    pseudocode of TDPBF16PS). The hardware rounds a tile's sums otherwise than the pseudocode (as in the bf16 GEMM,
+    test_lane_dequant), which the softmax can amplify: both stay within the bf16 path's bound of the float64
+    attention of the rounded operands, and nearly all outputs agree to 1e-5."""
+    if "amx" not in _bf16_engines():
+        pytest.skip(f"AMX tiles: {native_ops().amx_bf16_status()}")
+    bs, kvh, group, d = shape
+    k_cache, v_cache = _cache(80, bs, kvh, d, seed=21)
+    g = torch.Generator().manual_seed(22)
+    ctx, n = 300, 200
+    ids = torch.randperm(80, generator=g)[:-(-(ctx + n) // bs)]
+    q = torch.randn(n, kvh * group, d, generator=g)
+    run = native_ops().paged_prefill_attention
+    hw = run(q, k_cache, v_cache, ids, ctx, d ** -0.5, True, engine="amx").double()
+    emu = run(q, k_cache, v_cache, ids, ctx, d ** -0.5, True, engine="amx_emulated").double()
+    ref = _reference(_bf16(q), _bf16(k_cache), _bf16(v_cache), ids, ctx)
+    vmax = v_cache[ids].abs().max().item()
+    for out in (hw, emu):
+        assert (out - ref).abs().max().item() <= BF16_P_BOUND * vmax
+    diff = (hw - emu).abs()  # measured: median 7e-9, 0.1-0.4% of the outputs apart by more than 1e-5
+    assert diff.median().item() <= 1e-6 and (diff > 1e-5).double().mean().item() <= 0.05
 
 
 def test_bad_input_refused():
@@ -224,6 +273,11 @@ def test_bad_input_refused():
     if not ext.prefill_attention_bf16_simd():
         with pytest.raises(RuntimeError, match="AVX512_BF16"):
             ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True)
+    with pytest.raises(RuntimeError, match="engine must be"):
+        ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True, engine="tiles")
+    if ext.amx_bf16_status() != "ready":
+        with pytest.raises(RuntimeError, match="cannot run AMX"):
+            ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True, engine="amx")
 
 
 def test_selection_and_paged_attention_dispatch():
@@ -234,6 +288,11 @@ def test_selection_and_paged_attention_dispatch():
     assert not prefill_attention_kernel(ext, 64, 16, "lane").bf16
     assert not prefill_attention_kernel(ext, 64, 16, "bf16x3").bf16
     assert prefill_attention_kernel(ext, 64, 16, "bf16").bf16 == ext.prefill_attention_bf16_simd()
+    # the bf16 path follows the bf16 GEMM's engine onto AMX tiles; the fp32 path has no engine to choose
+    on_amx = prefill_attention_kernel(ext, 64, 16, "bf16", "amx")
+    assert on_amx.engine == ("amx" if ext.prefill_attention_bf16_simd() else "avx512_bf16")
+    assert prefill_attention_kernel(ext, 64, 16, "bf16", "avx512_bf16").engine == "avx512_bf16"
+    assert prefill_attention_kernel(ext, 64, 16, "lane", "amx").engine == "avx512_bf16"
     # a chunk of 20 tokens after 30 cached ones, through paged_attention: the kernel's result, the K/V written
     k_cache, v_cache = _cache(8, 16, 3, 64, seed=6)
     g = torch.Generator().manual_seed(7)
