@@ -127,8 +127,9 @@ def test_native_q4_1_greedy_matches_transformers_in_every_prefill_mode(loaded_na
 
 def test_amx_engine_serves_the_same_greedy_text(loaded_native, hf_runs):
     """The AMX engine's tile programs, GEMM and prefill attention (emulated where the CPU has no AMX: the same
-    programs on a scalar model of the tiles) wired into the engine: a prompt's prefill rows on them give the tokens of the AVX512_BF16 engine (the
-    engines differ only in the fp32 summation order of the same bf16 products) and logprobs within 0.02 (a last-bit
+    programs on a scalar model of the tiles) wired into the engine: a prompt's prefill rows on them give the tokens
+    of the AVX512_BF16 engine (the engines differ only in the fp32 summation order of the same bf16 products) and
+    logprobs within 0.02 (a last-bit
     difference of a sum can flip the bf16 rounding of the next layer's input, 2**-8 relative: measured 3e-3 on
     this prompt; bf16 against fp32 is allowed 0.05 above)."""
     ext = native_ops()
