@@ -764,6 +764,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "paged_prefill_attention: float32 q and KV cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous KV cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) > 0 && k_cache.size(2) > 0,
+              "paged_prefill_attention: caches [blocks, block_size, KVH, D] with block_size and KVH > 0");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_prefill_attention: q [n, H, D], caches [blocks, block_size, KVH, D] with KVH dividing H");
@@ -775,7 +777,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(block_ids.dtype() == torch::kInt64 && block_ids.dim() == 1, "paged_prefill_attention: int64 block ids");
   TORCH_CHECK(context_len >= 0, "paged_prefill_attention: context_len >= 0");
   const int64_t n = q.size(0), BS = k_cache.size(1);
-  TORCH_CHECK(block_ids.size(0) * BS >= context_len + n,
+  TORCH_CHECK(context_len <= block_ids.size(0) * BS - n,  // no overflow of context_len + n
               "paged_prefill_attention: the block table does not cover context_len + n tokens");
   auto ids = block_ids.contiguous();
   const int64_t* bt = ids.data_ptr<int64_t>();

@@ -10,7 +10,7 @@ import sys
 import leanserve  # noqa: F401  (first: OpenMP wait policy)
 from leanserve.kernels import native_ops
 from leanserve.model.attention import AttentionMetadata, PrefillChunk, paged_attention
-from leanserve.model.prefill_attention import PrefillAttentionKernel, prefill_attention_kernel
+from leanserve.model.prefill_attention import PrefillAttentionKernel, amx_takes, prefill_attention_kernel
 
 import pytest
 import torch
@@ -273,6 +273,14 @@ def test_bad_input_refused():
     if not ext.prefill_attention_bf16_simd():
         with pytest.raises(RuntimeError, match="AVX512_BF16"):
             ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True)
+    with pytest.raises(RuntimeError, match="block_size and KVH > 0"):  # not a division by zero
+        ext.paged_prefill_attention(q, torch.zeros(4, 16, 0, 64), torch.zeros(4, 16, 0, 64), torch.tensor([0, 1]), 0,
+                                    0.125, False)
+    with pytest.raises(RuntimeError, match="block_size and KVH > 0"):
+        ext.paged_prefill_attention(torch.zeros(0, 3, 64), torch.zeros(4, 0, 1, 64), torch.zeros(4, 0, 1, 64),
+                                    torch.tensor([0]), 0, 0.125, False)
+    with pytest.raises(RuntimeError, match="block table"):  # context_len + n would overflow int64
+        ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 2 ** 63 - 5, 0.125, False)
     with pytest.raises(RuntimeError, match="engine must be"):
         ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True, engine="tiles")
     if ext.amx_bf16_status() != "ready":
@@ -293,6 +301,9 @@ def test_selection_and_paged_attention_dispatch():
     assert on_amx.engine == ("amx" if ext.prefill_attention_bf16_simd() else "avx512_bf16")
     assert prefill_attention_kernel(ext, 64, 16, "bf16", "avx512_bf16").engine == "avx512_bf16"
     assert prefill_attention_kernel(ext, 64, 16, "lane", "amx").engine == "avx512_bf16"
+    for bs in (48, 80, 144):  # block sizes the AMX path does not take run (and say) avx512_bf16
+        assert prefill_attention_kernel(ext, 64, bs, "bf16", "amx").engine == "avx512_bf16"
+    assert [amx_takes(bs) for bs in (16, 32, 48, 64, 96, 128, 144)] == [True, True, False, True, True, True, False]
     # a chunk of 20 tokens after 30 cached ones, through paged_attention: the kernel's result, the K/V written
     k_cache, v_cache = _cache(8, 16, 3, 64, seed=6)
     g = torch.Generator().manual_seed(7)
