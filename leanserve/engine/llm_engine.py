@@ -370,13 +370,16 @@ class LLMEngine:
             self.spec_policy.reset(request_id)
 
     def describe(self) -> str:
-        """One line on what serves: weights, prefill GEMM, KV cache, speculation (logged at server start)."""
+        """One line on what serves: weights, prefill GEMM, prefill attention, KV cache, speculation (logged at
+        server start)."""
         c, spec = self.config, self.speculative_config
         kv = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({c.dtype})"
         engine = prefill_gemm_engine(self.model)
         gemm = f", prefill GEMM {self.prefill_gemm}" + (f" on {engine}" if engine else "") \
             if c.quantization != "none" else ""
-        line = (f"weights {c.quantization}, dtype {c.dtype}{gemm}, KV cache {kv} "
+        kernel = self.runner.prefill_kernel
+        attention = f", prefill attention {kernel.describe() if kernel is not None else 'torch SDPA'}"
+        line = (f"weights {c.quantization}, dtype {c.dtype}{gemm}{attention}, KV cache {kv} "
                 f"({self.kv.num_blocks} blocks of {c.block_size} tokens)")
         if spec is None:
             return line + ", no speculative decoding"

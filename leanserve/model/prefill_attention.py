@@ -41,6 +41,11 @@ class PrefillAttentionKernel:
     def __init__(self, ext: Any, bf16: bool, engine: str = "avx512_bf16") -> None:
         self.ext, self.bf16, self.engine = ext, bf16, engine
 
+    def describe(self) -> str:
+        """What runs, for the server's start line: ``native bf16 on amx``, ``native bf16 on avx512_bf16`` or
+        ``native fp32``."""
+        return f"native bf16 on {self.engine}" if self.bf16 else "native fp32"
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  context_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         if k_cache.dtype == torch.float16:  # the blocks the chunk reads, widened once (as the SDPA path gathers)

@@ -108,6 +108,7 @@ def test_native_q4_1_greedy_matches_transformers_in_every_prefill_mode(loaded_na
     # the build has them: not in a LEANSERVE_KERNEL_ISA=avx2 process)
     assert kernel is not None
     assert kernel.bf16 == (llm.engine.prefill_gemm == "bf16" and bool(native_ops().prefill_attention_bf16_simd()))
+    assert f"prefill attention {kernel.describe()}," in llm.engine.describe()  # the server's start line says it
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in hf_runs],
                         SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     report = []

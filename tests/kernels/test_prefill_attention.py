@@ -304,6 +304,9 @@ def test_selection_and_paged_attention_dispatch():
     for bs in (48, 80, 144):  # block sizes the AMX path does not take run (and say) avx512_bf16
         assert prefill_attention_kernel(ext, 64, bs, "bf16", "amx").engine == "avx512_bf16"
     assert [amx_takes(bs) for bs in (16, 32, 48, 64, 96, 128, 144)] == [True, True, False, True, True, True, False]
+    assert prefill_attention_kernel(ext, 64, 48, "bf16", "amx").describe() == (
+        "native bf16 on avx512_bf16" if ext.prefill_attention_bf16_simd() else "native fp32")
+    assert prefill_attention_kernel(ext, 64, 16, "lane", "amx").describe() == "native fp32"
     # a chunk of 20 tokens after 30 cached ones, through paged_attention: the kernel's result, the K/V written
     k_cache, v_cache = _cache(8, 16, 3, 64, seed=6)
     g = torch.Generator().manual_seed(7)
