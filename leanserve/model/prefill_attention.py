@@ -48,7 +48,10 @@ class PrefillAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  context_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        if q.dim() != 3 or (out is not None and out.dim() != 3):
+            raise RuntimeError("paged_prefill_attention: q and out [n, H, D]")
         if k_cache.dtype == torch.float16:  # the blocks the chunk reads, widened once (as the SDPA path gathers)
+            _check_gather(q, k_cache, block_ids, context_len)  # the kernel's own errors, before index_select's
             used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
             ids = block_ids[:used]
             k_cache, v_cache = k_cache.index_select(0, ids).float(), v_cache.index_select(0, ids).float()
@@ -61,6 +64,23 @@ class PrefillAttentionKernel:
             return out
         return self.ext.paged_prefill_attention(q, k_cache, v_cache, block_ids, context_len, scale, self.bf16, out,
                                                 self.engine)
+
+
+def _check_gather(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> None:
+    """Raises the kernel's RuntimeError for a table the float16 gather cannot read (wrong dtype, too short, ids out
+    of range), which index_select would otherwise report as an IndexError or hide behind the gathered table."""
+    if k_cache.dim() != 4 or k_cache.shape[1] <= 0:
+        raise RuntimeError("paged_prefill_attention: caches [blocks, block_size, KVH, D] with block_size and KVH > 0")
+    if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
+        raise RuntimeError("paged_prefill_attention: int64 block ids")
+    if context_len < 0:
+        raise RuntimeError("paged_prefill_attention: context_len >= 0")
+    used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
+    if block_ids.shape[0] < used:
+        raise RuntimeError("paged_prefill_attention: the block table does not cover context_len + n tokens")
+    ids = block_ids[:used]
+    if used and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
+        raise RuntimeError("paged_prefill_attention: block id out of range")
 
 
 def _rows_dense(x: torch.Tensor) -> bool:

@@ -288,6 +288,23 @@ def test_bad_input_refused():
             ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125, True, engine="amx")
 
 
+def test_float16_cache_bad_table_refused_as_the_kernel_does():
+    """The wrapper gathers a float16 cache's blocks before the kernel sees the table: it raises the kernel's
+    RuntimeError (not index_select's IndexError, not a message about the gathered table) and reads nothing."""
+    kernel = PrefillAttentionKernel(native_ops(), False)
+    k_cache, v_cache = (c.half() for c in _cache(4, 16, 1, 64, seed=5))
+    q = torch.randn(20, 3, 64)
+    for ids, msg in ((torch.tensor([0, -1]), "out of range"), (torch.tensor([0, 9]), "out of range"),
+                     (torch.tensor([0]), "block table does not cover"),
+                     (torch.tensor([0, 1], dtype=torch.int32), "int64 block ids")):
+        with pytest.raises(RuntimeError, match=msg):
+            kernel(q, k_cache, v_cache, ids, 0, 0.125)
+    with pytest.raises(RuntimeError, match=r"q and out \[n, H, D\]"):
+        kernel(q.reshape(20, 192), k_cache, v_cache, torch.tensor([0, 1]), 0, 0.125)
+    out = kernel(q, k_cache, v_cache, torch.tensor([2, 1]), 0, 0.125)  # a good table still runs
+    assert torch.equal(out, kernel(q, k_cache.float(), v_cache.float(), torch.tensor([2, 1]), 0, 0.125))
+
+
 def test_selection_and_paged_attention_dispatch():
     ext = native_ops()
     assert prefill_attention_kernel(None, 64, 16, "bf16") is None
