@@ -51,8 +51,7 @@ class PrefillAttentionKernel:
         if q.dim() != 3 or (out is not None and out.dim() != 3):
             raise RuntimeError("paged_prefill_attention: q and out [n, H, D]")
         if k_cache.dtype == torch.float16:  # the blocks the chunk reads, widened once (as the SDPA path gathers)
-            _check_gather(q, k_cache, block_ids, context_len)  # the kernel's own errors, before index_select's
-            used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
+            used = _blocks_to_gather(q, k_cache, block_ids, context_len)  # the kernel's own errors, checked first
             ids = block_ids[:used]
             k_cache, v_cache = k_cache.index_select(0, ids).float(), v_cache.index_select(0, ids).float()
             block_ids = torch.arange(used, dtype=torch.int64)
@@ -66,9 +65,10 @@ class PrefillAttentionKernel:
                                                 self.engine)
 
 
-def _check_gather(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> None:
-    """Raises the kernel's RuntimeError for a table the float16 gather cannot read (wrong dtype, too short, ids out
-    of range), which index_select would otherwise report as an IndexError or hide behind the gathered table."""
+def _blocks_to_gather(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> int:
+    """How many of ``block_ids`` a float16 chunk reads (ceil((context_len + n) / block_size)). Raises the kernel's
+    RuntimeError for a table the gather cannot read (wrong dtype, too short, ids out of range), which index_select
+    would otherwise report as an IndexError or hide behind the gathered table."""
     if k_cache.dim() != 4 or k_cache.shape[1] <= 0:
         raise RuntimeError("paged_prefill_attention: caches [blocks, block_size, KVH, D] with block_size and KVH > 0")
     if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
@@ -78,9 +78,11 @@ def _check_gather(q: torch.Tensor, k_cache: torch.Tensor, block_ids: torch.Tenso
     used = -(-(context_len + q.shape[0]) // k_cache.shape[1])
     if block_ids.shape[0] < used:
         raise RuntimeError("paged_prefill_attention: the block table does not cover context_len + n tokens")
-    ids = block_ids[:used]
-    if used and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
-        raise RuntimeError("paged_prefill_attention: block id out of range")
+    if used:
+        lo, hi = torch.aminmax(block_ids[:used])
+        if int(lo) < 0 or int(hi) >= k_cache.shape[0]:
+            raise RuntimeError("paged_prefill_attention: block id out of range")
+    return used
 
 
 def _rows_dense(x: torch.Tensor) -> bool:
@@ -110,5 +112,7 @@ def amx_takes(block_size: int) -> bool:
     """Whether the kernel's AMX path runs this block size (as ``amx_takes`` in prefill_attention.cpp): its key unit
     (64 keys for block sizes dividing 64, else one block) a multiple of 32 keys and at most 128; other block sizes
     run the AVX512_BF16 path."""
-    step = block_size if block_size >= 64 else 64 if 64 % block_size == 0 else block_size
-    return block_size % 16 == 0 and step % 32 == 0 and step <= 128
+    if block_size <= 0 or block_size % 16:
+        return False
+    step = 64 if 64 % block_size == 0 else block_size
+    return step % 32 == 0 and step <= 128
