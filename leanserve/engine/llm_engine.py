@@ -25,7 +25,7 @@ from leanserve.model.llama import LlamaModel
 from leanserve.model.registry import model_class
 from leanserve.outputs import RequestOutput
 from leanserve.quantization.kv_cache import kv_bytes_per_token, prefault_pool
-from leanserve.quantization.prefill_gemm import configure_prefill_gemm, prefill_gemm_engine
+from leanserve.quantization.prefill_gemm import configure_prefill_gemm, has_lane_weights, prefill_gemm_engine
 from leanserve.sampling_params import SamplingParams
 from leanserve.spec_decode.draft_model import DraftModelProposer, shares_kv_cache
 from leanserve.spec_decode.ngram import NgramProposer
@@ -375,8 +375,10 @@ class LLMEngine:
         c, spec = self.config, self.speculative_config
         kv = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({c.dtype})"
         engine = prefill_gemm_engine(self.model)
-        gemm = f", prefill GEMM {self.prefill_gemm}" + (f" on {engine}" if engine else "") \
-            if c.quantization != "none" else ""
+        if not has_lane_weights(self.model):  # --prefill-gemm has nothing to choose: say nothing about it
+            gemm = ""
+        else:
+            gemm = f", prefill GEMM {self.prefill_gemm}" + (f" on {engine}" if engine else "")
         kernel = self.runner.prefill_kernel
         attention = f", prefill attention {kernel.describe() if kernel is not None else 'torch SDPA'}"
         line = (f"weights {c.quantization}, dtype {c.dtype}{gemm}{attention}, KV cache {kv} "

@@ -32,6 +32,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                                       torch::Tensor block_ids, int64_t context_len, double scale, bool use_bf16,
                                       c10::optional<torch::Tensor> out, const std::string& engine);
 bool prefill_attention_bf16_simd();
+bool prefill_attention_amx_takes(int64_t block_size);
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                torch::Tensor slot_mapping);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -75,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out") = pybind11::none(), pybind11::arg("engine") = "avx512_bf16");
   m.def("prefill_attention_bf16_simd", &prefill_attention_bf16_simd,
         "whether paged_prefill_attention has its AVX512_BF16 path");
+  m.def("prefill_attention_amx_takes", &prefill_attention_amx_takes,
+        "whether paged_prefill_attention's AMX path takes this block size (others run avx512_bf16)");
   m.def("write_kv_", &write_kv_, "new K/V rows into the paged cache through the slot mapping (float32 or float16)");
   m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of [n, m] float32 (first of ties, NaN the maximum)");
   m.def("lane_gather_rows", &lane_gather_rows, "rows of a lane-layout block-quantized weight in file layout: "

@@ -584,6 +584,7 @@ inline int64_t amx_step_keys(int64_t BS) { return BS >= 64 ? BS : (64 % BS == 0 
 // Whether the AMX path takes this block size: its unit a multiple of 32 keys (a full tile of P pairs), <= 128 (P's
 // four A tiles).
 inline bool amx_takes(int64_t BS) {
+  if (BS <= 0) return false;
   const int64_t step = amx_step_keys(BS);
   return BS % 16 == 0 && step % 32 == 0 && step <= 128;
 }
@@ -741,6 +742,17 @@ struct AmxWorker {
 #endif  // AVX2 + FMA
 
 }  // namespace
+
+// Whether the AMX path takes this block size (amx_takes; false in a build without the bf16 path, which has no AMX
+// path): the engine to report for a cache of this block size.
+bool prefill_attention_amx_takes(int64_t block_size) {
+#ifdef LS_PREFILL_BF16
+  return amx_takes(block_size);
+#else
+  (void)block_size;
+  return false;
+#endif
+}
 
 // Whether this build has the bf16 path (AVX512_BF16); without it use_bf16 is refused.
 bool prefill_attention_bf16_simd() {

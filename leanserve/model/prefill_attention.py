@@ -104,15 +104,12 @@ def prefill_attention_kernel(ext: Any, head_dim: int, block_size: int, prefill_g
     if head_dim not in KERNEL_HEAD_DIMS or block_size % 16:
         return None
     bf16 = prefill_gemm == "bf16" and bool(ext.prefill_attention_bf16_simd())
-    on_amx = bf16 and gemm_engine == "amx" and amx_takes(block_size)
+    on_amx = bf16 and gemm_engine == "amx" and amx_takes(ext, block_size)
     return PrefillAttentionKernel(ext, bf16, "amx" if on_amx else "avx512_bf16")
 
 
-def amx_takes(block_size: int) -> bool:
-    """Whether the kernel's AMX path runs this block size (as ``amx_takes`` in prefill_attention.cpp): its key unit
-    (64 keys for block sizes dividing 64, else one block) a multiple of 32 keys and at most 128; other block sizes
-    run the AVX512_BF16 path."""
-    if block_size <= 0 or block_size % 16:
-        return False
-    step = 64 if 64 % block_size == 0 else block_size
-    return step % 32 == 0 and step <= 128
+def amx_takes(ext: Any, block_size: int) -> bool:
+    """Whether the kernel's AMX path runs this block size (``ext.prefill_attention_amx_takes``, the kernel's own
+    rule: its key unit a multiple of 32 keys and at most 128); other block sizes run the AVX512_BF16 path. False
+    without the native kernels."""
+    return ext is not None and bool(ext.prefill_attention_amx_takes(block_size))

@@ -206,6 +206,12 @@ def _lane_weights(model: Any) -> list[Any]:
             if isinstance(t, BlockQuantWeight) and t.lanes]
 
 
+def has_lane_weights(model: Any) -> bool:
+    """Whether ``model.layers`` hold lane-layout BlockQuantWeights: the only weights ``--prefill-gemm`` applies to
+    (float, torch-quantized int8/int4 and file-layout projections run their own kernels at every row count)."""
+    return bool(_lane_weights(model))
+
+
 def prefill_gemm_engine(model: Any) -> str | None:
     """The bf16 GEMM engine ``configure_prefill_gemm`` gave ``model``'s prefill rows, or None (lane or int8)."""
     prefill = next((w.prefill for w in _lane_weights(model) if w.prefill is not None), None)

@@ -320,7 +320,11 @@ def test_selection_and_paged_attention_dispatch():
     assert prefill_attention_kernel(ext, 64, 16, "lane", "amx").engine == "avx512_bf16"
     for bs in (48, 80, 144):  # block sizes the AMX path does not take run (and say) avx512_bf16
         assert prefill_attention_kernel(ext, 64, bs, "bf16", "amx").engine == "avx512_bf16"
-    assert [amx_takes(bs) for bs in (16, 32, 48, 64, 96, 128, 144)] == [True, True, False, True, True, True, False]
+    # the kernel's rule (a build without the bf16 path has no AMX path: no block size)
+    takes = [True, True, False, True, True, True, False, False, False, False]
+    assert [amx_takes(ext, bs) for bs in (16, 32, 48, 64, 96, 128, 144, 0, -16, 8)] == [
+        t and bool(ext.prefill_attention_bf16_simd()) for t in takes]
+    assert not amx_takes(None, 64)
     assert prefill_attention_kernel(ext, 64, 48, "bf16", "amx").describe() == (
         "native bf16 on avx512_bf16" if ext.prefill_attention_bf16_simd() else "native fp32")
     assert prefill_attention_kernel(ext, 64, 16, "lane", "amx").describe() == "native fp32"
