@@ -374,10 +374,9 @@ class LLMEngine:
         server start)."""
         c, spec = self.config, self.speculative_config
         kv = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else f"auto ({c.dtype})"
-        engine = prefill_gemm_engine(self.model)
-        if not has_lane_weights(self.model):  # --prefill-gemm has nothing to choose: say nothing about it
-            gemm = ""
-        else:
+        gemm = ""  # without lane-layout weights --prefill-gemm has nothing to choose: say nothing about it
+        if has_lane_weights(self.model):
+            engine = prefill_gemm_engine(self.model)
             gemm = f", prefill GEMM {self.prefill_gemm}" + (f" on {engine}" if engine else "")
         kernel = self.runner.prefill_kernel
         attention = f", prefill attention {kernel.describe() if kernel is not None else 'torch SDPA'}"
