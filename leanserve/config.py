@@ -261,10 +261,11 @@ class EngineConfig:
                                "(float), int8 or int4 (quantized at load)", aliases=("-q",),
                                choices=QUANTIZATION_METHODS)
     quantization_group_size: int = option(32, "int4 input columns per scale", type=int, choices=INT4_GROUP_SIZES)
-    prefill_gemm: str = option("auto", "prefill rows of GGUF Q4/Q8 weights: lane (int16 kernel), bf16 (bf16 copy + "
-                               "AVX512_BF16 GEMM, fp32 output), bf16x3 (split bf16, near fp32), int8 (int8 "
-                               "activations on 4-bit weights, as llama.cpp), auto (bf16 where the CPU has "
-                               "AVX512_BF16, else int8 on AVX2 builds, else lane)", choices=PREFILL_GEMMS)
+    prefill_gemm: str = option("auto", "prefill rows of GGUF Q4_0/Q4_1/Q8_0 weights (and of --quantization int4 "
+                               "at group size 32): lane (int16 kernel), bf16 (bf16 copy + AVX512_BF16 GEMM, fp32 "
+                               "output), bf16x3 (split bf16, near fp32), int8 (int8 activations on 4-bit weights, as "
+                               "llama.cpp), auto (bf16 where the CPU has AVX512_BF16, else int8 on AVX2 builds, else "
+                               "lane)", choices=PREFILL_GEMMS)
     kv_cache_dtype: str = option("auto", "KV cache: auto (the model dtype), float16, or int8 (a scale per token "
                                  "and KV head)", choices=KV_CACHE_DTYPES)
     kv_cache_prefault: bool = option(False, "make the whole KV pool resident at start (written once, its zeros "

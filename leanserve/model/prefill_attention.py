@@ -2,12 +2,14 @@
 
 A prefill chunk's causal attention over an fp32 (or fp16, widened per call) paged KV cache, read through the
 sequence's block table (flash attention over one cache block of keys at a time; the chunk's blocks packed once per
-call into the dot products' operand layout, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16
-mode (products of bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16,
-fp32 otherwise, so that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers; the bf16 mode's products run on AMX
-tiles when the bf16 GEMM does (``resolve_bf16_engine``), the same bf16 operands summed in another order. A query
-row's result is bitwise independent of its chunk's length and start and of where its context came from (see the
-kernel's notes).
+call into the dot products' operand layout, no mask tensor). Its precision follows ``--prefill-gemm``: the bf16 mode
+(products of bf16-rounded operands with fp32 accumulation, AVX512_BF16) when the prefill GEMMs run in bf16, fp32
+otherwise, so that ``lane`` and ``bf16x3`` keep fp32-close prompt numbers; the bf16 mode's products run on AMX tiles
+when the bf16 GEMM does (``resolve_bf16_engine``). The two bf16 engines round Q, K and V alike but sum in another
+order, and at block sizes below 64 the AMX path's online softmax steps over 64 keys, not one block, so P is rounded
+to bf16 against other running maxima: their outputs then differ at the level of bf16's rounding of P, not only in
+the last bits, each as far from fp32 as the other (tests/kernels/test_prefill_attention.py). A query row's result is
+bitwise independent of its chunk's length and start and of where its context came from (see the kernel's notes).
 """
 
 from __future__ import annotations

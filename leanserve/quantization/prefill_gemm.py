@@ -229,12 +229,19 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
         InvalidParameterError: an unknown mode.
         EnvironmentSettingError: a bad ``$LEANSERVE_BF16_GEMM`` (see :func:`resolve_bf16_engine`)."""
     weights = _lane_weights(model)
-    asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
+    engine = asked_bf16_engine()  # a bad $LEANSERVE_BF16_GEMM fails whatever the mode
     if not weights:  # no lane-layout weights (float or torch-quantized projections): no prefill kernel to set
         _check_mode(mode)
+        if mode not in ("auto", "lane"):
+            logger.warning("--prefill-gemm %s is not used: it chooses the prefill kernel of lane-layout weights "
+                           "(GGUF Q4_0/Q4_1/Q8_0 with the native kernels, or --quantization int4 at group size "
+                           "32), and this model's projections run their own kernels at every row count", mode)
         return "lane"
     ext = weights[0].ext
     resolved = resolve_prefill_gemm(mode, ext)
+    if engine != "auto" and resolved not in ("bf16", "bf16x3"):
+        logger.warning("$%s=%s is not used: prefill rows run the %s kernel, not a bf16 GEMM", BF16_GEMM_ENV,
+                       engine, resolved)
     prefill: Any = None
     if resolved == "int8":
         prefill = Int8Prefill(ext)

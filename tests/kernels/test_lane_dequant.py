@@ -266,6 +266,26 @@ def test_bf16_engine_is_forced_by_env_or_measured(monkeypatch) -> None:
         assert resolve_bf16_engine(ext, w, hi, E) == "avx512_bf16"
 
 
+def test_a_forced_bf16_engine_that_no_mode_uses_is_named_in_a_warning(monkeypatch, caplog) -> None:
+    """``$LEANSERVE_BF16_GEMM`` set to an engine while the prefill rows resolve to ``lane`` or ``int8`` (asked, or
+    a build without AVX512_BF16): a warning says the setting is not used; under a bf16 mode that runs, none."""
+    ext = native_ops()
+
+    class Model:
+        layers = [type("Layer", (), {})()]
+
+    Model.layers[0].qkv = _weight("Q4_1")
+    monkeypatch.setenv(BF16_GEMM_ENV, "avx512_bf16")
+    for mode in ("lane", "int8", "bf16"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="leanserve.quantization.prefill_gemm"):
+            resolved = configure_prefill_gemm(Model(), mode)
+        unused = [r for r in caplog.records if r.getMessage().startswith(f"${BF16_GEMM_ENV}=avx512_bf16 is not "
+                                                                         f"used: prefill rows run the {resolved}")]
+        assert len(unused) == (resolved not in ("bf16", "bf16x3")), (mode, resolved)
+        assert resolved == (mode if mode != "bf16" or ext.bf16_gemm_simd() else "lane")
+
+
 def test_kernels_write_into_a_given_output_or_refuse_a_wrong_one() -> None:
     ext = native_ops()
     w = _weight("Q4_1")

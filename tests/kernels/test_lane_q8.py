@@ -173,8 +173,9 @@ def test_int8_mode_resolves_and_configures() -> None:
 
 
 def test_int8_is_not_claimed_where_it_does_not_run(caplog) -> None:
-    """No lane-layout weights (float or torch-quantized projections): ``lane``, no warning about kernels; batch-
-    invariant mode (every row on the lane kernel): ``lane``, with a warning that ``--prefill-gemm`` is not used."""
+    """No lane-layout weights (float or torch-quantized projections): ``lane``, with a warning that an explicit
+    mode is not used (and none for ``auto`` or ``lane``, which ask for nothing); batch-invariant mode (every row on
+    the lane kernel): ``lane``, with a warning that ``--prefill-gemm`` is not used."""
     from leanserve import LLM
     from leanserve.loader import load_model
 
@@ -182,8 +183,14 @@ def test_int8_is_not_claimed_where_it_does_not_run(caplog) -> None:
         layers = [type("Layer", (), {})()]
 
     with caplog.at_level("WARNING"):
-        assert configure_prefill_gemm(Model(), "int8") == "lane"
+        assert configure_prefill_gemm(Model(), "auto") == configure_prefill_gemm(Model(), "lane") == "lane"
     assert not caplog.records
+    for mode in ("int8", "bf16"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert configure_prefill_gemm(Model(), mode) == "lane"
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"--prefill-gemm {mode} is not used"]
+    caplog.clear()
     llm = LLM(loaded=load_model(None, quantization="auto"), kv_cache_memory=16 << 20, prefill_gemm="int8",
               batch_invariant=True)
     assert llm.engine.prefill_gemm == "lane" and "prefill GEMM lane" in llm.engine.describe()
