@@ -6,8 +6,9 @@ and CPU (leanserve/kernels), so the second checkout must find them built and sta
 Usage:
     .venv/bin/python -m benchmarks.server_start [--repeats 3] [--timeout 120]
 
-Run it on an idle machine (a start is mostly imports, the GGUF load and thread start-up: CPU-bound). Writes
-benchmarks/results/server_start.json and prints a table.
+Both checkouts' bytecode is written first, as their setup writes it (``make setup``, ``make run``), so no start
+compiles Python sources. Run it on an idle machine (a start is mostly imports, the GGUF load and thread start-up:
+CPU-bound). Writes benchmarks/results/server_start.json and prints a table.
 """
 
 from __future__ import annotations
@@ -63,14 +64,21 @@ def time_to_ready(checkout: Path, timeout: float) -> float:
             proc.kill()
 
 
+def compile_bytecode(checkout: Path) -> None:
+    """Writes ``checkout``'s leanserve bytecode, as ``make setup`` / ``make run`` do (``compileall``)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "leanserve"], cwd=checkout, check=True)
+
+
 def copy_checkout(dest: Path) -> Path:
-    """The tracked files of this checkout (as they are in the working tree) copied under ``dest``."""
+    """The tracked files of this checkout (as they are in the working tree) copied under ``dest``, with their
+    bytecode written as its setup would."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
     for name in filter(None, files.decode().split("\0")):
         src = ROOT / name
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
+    compile_bytecode(dest)
     return dest
 
 
@@ -80,6 +88,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", default="benchmarks/results/server_start.json")
     args = ap.parse_args()
+    compile_bytecode(ROOT)
     with tempfile.TemporaryDirectory(prefix="leanserve-checkout-") as tmp:
         other = copy_checkout(Path(tmp))
         times: dict[str, list[float]] = {"this checkout": [], "another checkout": []}

@@ -16,6 +16,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
 
 _LONG_TEXT = 32768  # characters: longer texts are encoded with the GIL released
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -59,8 +60,11 @@ def _spells_every_byte(backend: Backend) -> bool:
         return False
     if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
         return False
-    model = json.loads(backend.model.__getstate__())
-    return bool(model.get("byte_fallback")) or model.get("unk_token") is None
+    model = backend.model
+    if isinstance(model, BPE):  # its two flags, not a JSON dump of the whole vocabulary and merges
+        return bool(model.byte_fallback) or model.unk_token is None
+    state = json.loads(model.__getstate__())
+    return bool(state.get("byte_fallback")) or state.get("unk_token") is None
 
 
 class Tokenizer:

@@ -218,3 +218,22 @@ def test_long_text_encodes_the_same_with_the_gil_released(ours, ref):
     assert len(ids) == 200_001 and ids[1:3] == ids[2:4]  # the first "word" has no leading space: its own token
     # with the GIL held for the whole encode the ticker gets at most a couple of turns
     assert len(ticks) >= 20
+
+
+@pytest.mark.parametrize("byte_fallback", [False, True])
+@pytest.mark.parametrize("unk", [None, "<unk>"])
+def test_spells_every_byte_reads_the_bpe_flags_as_its_json_states_them(byte_fallback: bool, unk: str | None) -> None:
+    """The bound's condition on the model (byte fallback, or no unknown token) read from a BPE model's attributes
+    agrees with its serialized state (the form other model types are read in)."""
+    import json
+
+    from leanserve.tokenizer import _spells_every_byte
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "<unk>": 3}
+    backend = Backend(BPE(vocab, [("a", "b")], unk_token=unk, byte_fallback=byte_fallback))
+    state = json.loads(backend.model.__getstate__())
+    assert (state["byte_fallback"], state["unk_token"]) == (byte_fallback, unk)
+    assert _spells_every_byte(backend) == (byte_fallback or unk is None)

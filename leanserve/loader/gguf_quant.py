@@ -10,6 +10,8 @@ Block layouts (ggml-common.h; 32 weights per block, little-endian):
 
 from __future__ import annotations
 
+import warnings
+
 from leanserve.errors import ModelLoadError
 from leanserve.loader.gguf_tensors import tensor_shape
 from leanserve.quantization.weights import GroupQuantized
@@ -22,9 +24,16 @@ from gguf import GGMLQuantizationType as QT
 NATIVE_TYPES: frozenset[QT] = frozenset({QT.Q4_0, QT.Q4_1, QT.Q8_0})
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[blocks, 16] uint8 -> [blocks, 32] uint8 codes: low nibbles first, then high nibbles."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+def _nibbles(qs: np.ndarray) -> torch.Tensor:
+    """[blocks, 16] uint8 (a strided view of the file's blocks) -> [blocks, 32] uint8 codes: low nibbles first, then
+    high nibbles (written in place by torch's kernels: faster than numpy's temporaries at load)."""
+    with warnings.catch_warnings():  # a read-only view of the file map: only read here
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        q = torch.from_numpy(qs)
+    codes = torch.empty(q.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(q, 0x0F, out=codes[:, :16])
+    torch.bitwise_right_shift(q, 4, out=codes[:, 16:])
+    return codes
 
 
 def read_group_quantized(tensor: gguf.ReaderTensor) -> GroupQuantized:
@@ -57,5 +66,5 @@ def read_group_quantized(tensor: gguf.ReaderTensor) -> GroupQuantized:
         bias = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(out, k // block))
         codes = _nibbles(blocks[:, 4:])
         bits, offset = 4, 0
-    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes).reshape(out, k)), torch.from_numpy(d),
-                          bias, offset, bits, block)
+    codes = codes if isinstance(codes, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(codes))
+    return GroupQuantized(codes.reshape(out, k), torch.from_numpy(d), bias, offset, bits, block)
