@@ -66,7 +66,8 @@ def time_to_ready(checkout: Path, timeout: float) -> float:
 
 def compile_bytecode(checkout: Path) -> None:
     """Writes ``checkout``'s leanserve bytecode, as ``make setup`` / ``make run`` do (``compileall``)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "leanserve"], cwd=checkout, check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "checked-hash", "leanserve"],
+                   cwd=checkout, check=True)
 
 
 def copy_checkout(dest: Path) -> Path:

@@ -236,6 +236,9 @@ def configure_prefill_gemm(model: Any, mode: str) -> str:
             logger.warning("--prefill-gemm %s is not used: it chooses the prefill kernel of lane-layout weights "
                            "(GGUF Q4_0/Q4_1/Q8_0 with the native kernels, or --quantization int4 at group size "
                            "32), and this model's projections run their own kernels at every row count", mode)
+        if engine != "auto":
+            logger.warning("$%s=%s is not used: this model has no lane-layout weights, so no prefill row runs a "
+                           "bf16 GEMM", BF16_GEMM_ENV, engine)
         return "lane"
     ext = weights[0].ext
     resolved = resolve_prefill_gemm(mode, ext)

@@ -285,6 +285,14 @@ def test_a_forced_bf16_engine_that_no_mode_uses_is_named_in_a_warning(monkeypatc
         assert len(unused) == (resolved not in ("bf16", "bf16x3")), (mode, resolved)
         assert resolved == (mode if mode != "bf16" or ext.bf16_gemm_simd() else "lane")
 
+    class Plain:  # no lane-layout weights (--quantization int8 or none): no bf16 GEMM at all
+        layers = [type("Layer", (), {})()]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="leanserve.quantization.prefill_gemm"):
+        assert configure_prefill_gemm(Plain(), "auto") == "lane"
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"${BF16_GEMM_ENV}=avx512_bf16 is not used"]
+
 
 def test_kernels_write_into_a_given_output_or_refuse_a_wrong_one() -> None:
     ext = native_ops()
