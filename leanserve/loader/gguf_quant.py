@@ -57,7 +57,7 @@ def read_group_quantized(tensor: gguf.ReaderTensor) -> GroupQuantized:
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(out, k // block)
     bias = None
     if qtype == QT.Q8_0:
-        codes = blocks[:, 2:].copy().view(np.int8)
+        codes = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
         bits, offset = 8, 0
     elif qtype == QT.Q4_0:
         codes = _nibbles(blocks[:, 2:])
@@ -66,5 +66,4 @@ def read_group_quantized(tensor: gguf.ReaderTensor) -> GroupQuantized:
         bias = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(out, k // block))
         codes = _nibbles(blocks[:, 4:])
         bits, offset = 4, 0
-    codes = codes if isinstance(codes, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(codes))
     return GroupQuantized(codes.reshape(out, k), torch.from_numpy(d), bias, offset, bits, block)
